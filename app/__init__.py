@@ -1,0 +1,1 @@
+"""trustbatch application layer: CLI, config, orchestration, rollout engines, tracking."""

@@ -1,0 +1,75 @@
+"""The RolloutEngine protocol and the types that cross it.
+
+Every engine — the embedded CPU engine, the built-in CPU HTTP server, a real SGLang server — is driven
+through this protocol, token ids in and token ids plus behaviour logprobs out, so the trainer never cares
+which one produced a completion. The field names follow SGLang's native ``/generate`` API
+(``sampling_params``, ``output_ids``, ``meta_info.output_token_logprobs``, ``finish_reason``,
+``weight_version``) so an HTTP client can fill them one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings of one generate call (a subset of SGLang's ``sampling_params``)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    """Completions per prompt; results are prompt-major (p0s0, p0s1, ..., p1s0, ...) as in SGLang."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a sequence ends after it samples one of these (the EOS id is always included)."""
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+
+@dataclass
+class Completion:
+    """One sampled continuation of one prompt."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    output_logprobs: list[float]
+    """Behaviour logprob of each output token under the distribution it was sampled from."""
+    finish_reason: Literal["stop", "length", "abort"]
+    policy_version: int
+    """Version of the weights that produced it (SGLang's ``weight_version``)."""
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WeightSource:
+    """Where an engine takes new weights from: an in-memory state dict or an HF directory on disk."""
+
+    state_dict: dict[str, torch.Tensor] | None = None
+    path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if (self.state_dict is None) == (self.path is None):
+            raise ValueError("WeightSource needs exactly one of state_dict or path")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+
+    async def update_weights(self, source: WeightSource, version: int) -> None: ...
+
+    async def health(self) -> bool: ...
