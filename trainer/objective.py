@@ -1,0 +1,315 @@
+"""Policy objectives: the ESS trust-batch objective and its baselines, as pure tensor functions.
+
+The math is in `trainer/README.md` ("The ESS objective"); this module is its code. Everything here is a pure
+function of tensors and floats: no collectives, no model, no optimizer. The caller (`trainer/step.py`) owns
+the two global quantities the objective needs and passes them in:
+
+- `num_tokens` (N): the global number of valid tokens of the whole optimizer step (all micro-batches, all
+  ranks). Every sum below is divided by it (DAPO token-level normalisation), so summing the losses of all
+  micro-batches and ranks gives the global token mean.
+- `ess`: the effective sample size of the ratios. The caller computes it with `ess_partial_sums` on each
+  micro-batch, SUM-reduces the three sums across ranks (and, for the per-step scope, across micro-batches)
+  and calls `ess_from_sums`. When `ess` is None, `policy_objective` computes it from this call's tokens alone.
+
+Departures from the paper's reference code (FeynRL `algs/P3O/p3o.py`):
+- ESS is passed in, not computed inside the loss with an all-reduce; the two halves are `ess_partial_sums`
+  and `ess_from_sums`, and the collective lives in `trainer/step.py`.
+- The ratio is exp(clamp(ℓ − b, ±max_log_ratio)) in float32, so a far-off-policy token cannot overflow.
+- Tokens whose behaviour logprob is non-finite are dropped from the mask (and so from the ESS sums), not
+  zeroed. Because the caller counted N, it must drop them *before* counting: build the mask with
+  `valid_token_mask(loss_mask, old_logprobs)` and count `num_tokens` from that mask.
+
+Metrics returned by `policy_objective` (all detached 0-dim float32 tensors), by reduction:
+
+- SUM-ready (a masked sum divided by `num_tokens`; a SUM all-reduce over micro-batches and ranks gives the
+  global mean): `loss/total`, `loss/policy`, `loss/kl_behaviour`, `loss/clipfrac`, `loss/ratio/mean`,
+  `loss/entropy` (only when `entropy` is given), `loss/ref_kl` (only when `ref_logprobs` is given).
+- MAX (keys ending in `/max`; reduce with MAX): `loss/ratio/max` (0 when the call has no valid token).
+- Per call (neither SUM nor MAX; the caller averages it over calls): `loss/ess`, the ESS the call used.
+
+A new surrogate is one pure function returning (per-token loss, capped-token mask) plus one `match` arm in
+`policy_objective`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+ObjectiveName = Literal["ess", "ppo_clip", "reinforce"]
+OBJECTIVE_NAMES: tuple[str, ...] = ("ess", "ppo_clip", "reinforce")
+
+# Bound on exp() arguments inside the k3 KL estimator (DESIGN.md §4).
+_KL_EXP_CLAMP = 10.0
+
+
+@dataclass
+class ObjectiveConfig:
+    """Which policy objective to optimise, and its coefficients (`objective.*` in the run config)."""
+
+    name: ObjectiveName = "ess"
+    """Objective: `ess` (ESS trust batch, the default), `ppo_clip` (GRPO/DAPO surrogate) or `reinforce`."""
+
+    clip_low: float = 0.2
+    """ppo_clip only: the ratio is clipped below at 1 - clip_low."""
+
+    clip_high: float = 0.28
+    """ppo_clip only: the ratio is clipped above at 1 + clip_high (clip-higher when != clip_low)."""
+
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus, -entropy_coef * mean token entropy; 0 turns it off."""
+
+    ref_kl_coef: float = 0.0
+    """Weight of the k3 KL penalty to the reference policy; 0 turns it off (no reference model needed)."""
+
+    max_log_ratio: float = 20.0
+    """|logprob - behaviour logprob| is clamped to this before exp(), so ratios stay finite in float32."""
+
+    def __post_init__(self) -> None:
+        if self.name not in OBJECTIVE_NAMES:
+            raise ValueError(
+                f"objective.name={self.name!r} is not a known objective; "
+                f"use one of {list(OBJECTIVE_NAMES)}, e.g. objective.name=ess"
+            )
+        for key in ("clip_low", "clip_high", "entropy_coef", "ref_kl_coef", "max_log_ratio"):
+            value = getattr(self, key)
+            if not math.isfinite(value):
+                raise ValueError(f"objective.{key}={value!r} must be a finite number")
+        if self.clip_low < 0:
+            raise ValueError(f"objective.clip_low={self.clip_low} must be >= 0 (e.g. objective.clip_low=0.2)")
+        if self.clip_high < 0:
+            raise ValueError(
+                f"objective.clip_high={self.clip_high} must be >= 0 (e.g. objective.clip_high=0.28)"
+            )
+        if self.ref_kl_coef < 0:
+            raise ValueError(
+                f"objective.ref_kl_coef={self.ref_kl_coef} must be >= 0; use 0 to turn the penalty off"
+            )
+        if self.max_log_ratio <= 0:
+            raise ValueError(
+                f"objective.max_log_ratio={self.max_log_ratio} must be > 0 (the default is 20.0)"
+            )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# ESS in two halves: local sums (reduced by the caller), then the scalar.
+
+
+def valid_token_mask(loss_mask: Tensor, old_logprobs: Tensor) -> Tensor:
+    """Tokens the objective trains on: `loss_mask` and a finite behaviour logprob. [B, T] bool.
+
+    The caller counts `num_tokens` from this mask (summed over micro-batches and ranks), so that tokens
+    whose behaviour logprob is NaN/inf are dropped from both the loss and its denominator.
+    """
+    return loss_mask & torch.isfinite(old_logprobs)
+
+
+def importance_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, max_log_ratio: float) -> Tensor:
+    """r = exp(clamp(ℓ − b, ±max_log_ratio)) in float32, [B, T]; 1 where `mask` is False (log-ratio 0).
+
+    Keeps the gradient of `logprobs`; pass `logprobs.detach()` for the ESS sums alone.
+    """
+    log_ratio = torch.where(mask, logprobs.float() - old_logprobs.float(), 0.0)
+    return torch.exp(log_ratio.clamp(-max_log_ratio, max_log_ratio))
+
+
+def ess_partial_sums(ratio: Tensor, mask: Tensor) -> Tensor:
+    """Local ESS sums (Σr, Σr², n) over the masked tokens of `ratio` [B, T]; float64 [3], detached.
+
+    These are additive: the sums of disjoint pieces (micro-batches, ranks) add up to the sums of the whole,
+    so the caller SUM-reduces them and passes the result to `ess_from_sums`.
+    """
+    r = torch.where(mask, ratio.detach().to(torch.float64), 0.0)
+    return torch.stack([r.sum(), (r * r).sum(), mask.sum().to(torch.float64)])
+
+
+def ess_from_sums(sums: Tensor) -> float:
+    """ESS = (Σr)² / (n · Σr²) from the (reduced) sums of `ess_partial_sums`, in (0, 1].
+
+    Returns 1.0 (no trust-region pull) when n == 0, when any sum is non-finite or when Σr² == 0. Otherwise
+    the value is clamped into [1/n, 1], its exact range for non-negative ratios, against rounding.
+    """
+    total, total_sq, count = (float(x) for x in sums.detach().to(torch.float64).cpu())
+    if count <= 0 or not all(math.isfinite(x) for x in (total, total_sq, count)) or total_sq <= 0:
+        return 1.0
+    ess = total * total / (count * total_sq)
+    if not math.isfinite(ess):
+        return 1.0
+    return min(1.0, max(ess, 1.0 / count))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Token-level terms. Each surrogate returns (per-token loss [B, T], capped [B, T] bool); reduction is elsewhere.
+
+
+def k3_kl(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(π ‖ π_other) per token: (ℓ − o) + exp(clamp(o − ℓ, −10, 10)) − 1, ≥ 0. [B, T]."""
+    log_ratio = logprobs - other_logprobs
+    return log_ratio + torch.exp((-log_ratio).clamp(-_KL_EXP_CLAMP, _KL_EXP_CLAMP)) - 1.0
+
+
+def ess_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float) -> tuple[Tensor, Tensor]:
+    """ESS policy term: −ρ·ℓ·A with ρ = stopgrad(clamp(r, 0, ESS)) (README, "the cap").
+
+    Its gradient is −ρ·A·∇ℓ: the capped weight carries none. The (1 − ESS)·kl trust-region term is added
+    by `policy_objective`, which reports it separately (`loss/kl_behaviour`).
+    """
+    weight = ratio.detach().clamp(0.0, ess)
+    return -weight * logprobs * advantages, ratio.detach() > ess
+
+
+def ppo_clip_token_loss(
+    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+) -> tuple[Tensor, Tensor]:
+    """PPO/DAPO clipped surrogate: −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A), gradient through r.
+
+    A token is "capped" when the clipped branch is active and cuts its gradient to zero.
+    """
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    r = ratio.detach()
+    capped = ((advantages > 0) & (r > 1.0 + clip_high)) | ((advantages < 0) & (r < 1.0 - clip_low))
+    return -torch.minimum(unclipped, clipped), capped
+
+
+def reinforce_token_loss(logprobs: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+    """REINFORCE without importance correction: −ℓ·A. Nothing is capped."""
+    return -logprobs * advantages, torch.zeros_like(logprobs, dtype=torch.bool)
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def policy_objective(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    cfg: ObjectiveConfig,
+    *,
+    num_tokens: float,
+    ess: float | None = None,
+    ref_logprobs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The loss of one micro-batch for `cfg.name`, normalised by the global token count; and its metrics.
+
+    Args:
+        logprobs: [B, T] current-policy logprobs of the sampled tokens, with gradient.
+        old_logprobs: [B, T] behaviour logprobs (from the engine that sampled the tokens).
+        advantages: [B, T] per-token advantages.
+        loss_mask: [B, T] bool, True on response tokens to train on. Tokens whose `old_logprobs` is
+            non-finite are dropped here too; count `num_tokens` from `valid_token_mask` so N agrees.
+        cfg: the objective config.
+        num_tokens: N, the global number of valid tokens in the optimizer step (all micro-batches, ranks).
+            0 is allowed (an all-padding step) and gives a zero loss.
+        ess: the ESS reduced by the caller (`ess_from_sums`); None computes it from this call alone.
+        ref_logprobs: [B, T] reference-policy logprobs; required when `cfg.ref_kl_coef > 0`.
+        entropy: [B, T] token entropies, with gradient; required when `cfg.entropy_coef > 0`.
+
+    Returns:
+        (loss, metrics): the 0-dim float32 loss [Σ per-token terms] / N, and the metrics listed in the
+        module docstring. Padded positions may hold any value, NaN included: they never reach the loss,
+        its gradient or the metrics.
+    """
+    _check_inputs(logprobs, old_logprobs, advantages, loss_mask, ref_logprobs, entropy, cfg)
+    num_tokens = float(num_tokens)
+    if not math.isfinite(num_tokens) or num_tokens < 0:
+        raise ValueError(
+            f"num_tokens={num_tokens} must be a finite count >= 0 (the global valid-token count)"
+        )
+    denom = num_tokens if num_tokens > 0 else 1.0
+
+    mask = valid_token_mask(loss_mask, old_logprobs)
+    # Sanitise first: torch.where gives padded positions a zero gradient and keeps garbage (even NaN) there
+    # out of every product downstream, in the forward and the backward pass.
+    logp = torch.where(mask, logprobs.float(), 0.0)
+    old = torch.where(mask, old_logprobs.float(), 0.0)
+    adv = torch.where(mask, advantages.float(), 0.0)
+
+    ratio = importance_ratio(logp, old, mask, cfg.max_log_ratio)
+    kl_behaviour = torch.where(mask, k3_kl(logp, old), 0.0)
+
+    if ess is None:
+        ess = ess_from_sums(ess_partial_sums(ratio, mask))
+    ess = float(ess)
+    if not 0.0 < ess <= 1.0:
+        raise ValueError(f"ess={ess} must be in (0, 1]; compute it with ess_from_sums")
+
+    kl_coef = 0.0  # weight of the behaviour-KL term; only the ESS objective has one
+    match cfg.name:
+        case "ess":
+            token_loss, capped = ess_token_loss(logp, ratio, adv, ess)
+            kl_coef = 1.0 - ess
+        case "ppo_clip":
+            token_loss, capped = ppo_clip_token_loss(ratio, adv, cfg.clip_low, cfg.clip_high)
+        case "reinforce":
+            token_loss, capped = reinforce_token_loss(logp, adv)
+        case _:
+            raise ValueError(f"objective.name={cfg.name!r} is not one of {list(OBJECTIVE_NAMES)}")
+    policy_sum = torch.where(mask, token_loss, 0.0).sum()
+    kl_sum = kl_behaviour.sum()
+    loss_sum = policy_sum + kl_coef * kl_sum if kl_coef != 0 else policy_sum
+
+    metrics: dict[str, Tensor] = {}
+    if entropy is not None:
+        ent = torch.where(mask, entropy.float(), 0.0)
+        if cfg.entropy_coef != 0:
+            loss_sum = loss_sum - cfg.entropy_coef * ent.sum()
+        metrics["loss/entropy"] = ent.sum().detach() / denom
+    if ref_logprobs is not None:
+        ref = torch.where(mask, ref_logprobs.float(), 0.0)
+        ref_kl = torch.where(mask, k3_kl(logp, ref), 0.0)
+        if cfg.ref_kl_coef > 0:
+            loss_sum = loss_sum + cfg.ref_kl_coef * ref_kl.sum()
+        metrics["loss/ref_kl"] = ref_kl.sum().detach() / denom
+
+    loss = loss_sum / denom
+    ratio_valid = torch.where(mask, ratio.detach(), 0.0)
+    metrics.update(
+        {
+            "loss/total": loss.detach(),
+            "loss/policy": policy_sum.detach() / denom,
+            "loss/kl_behaviour": kl_sum.detach() / denom,
+            "loss/clipfrac": (capped & mask).sum().float() / denom,
+            "loss/ratio/mean": ratio_valid.sum() / denom,
+            "loss/ratio/max": ratio_valid.max() if ratio_valid.numel() else ratio_valid.new_zeros(()),
+            "loss/ess": torch.tensor(ess, dtype=torch.float32, device=logprobs.device),
+        }
+    )
+    return loss, metrics
+
+
+def _check_inputs(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    ref_logprobs: Tensor | None,
+    entropy: Tensor | None,
+    cfg: ObjectiveConfig,
+) -> None:
+    if loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask must be a bool tensor, got {loss_mask.dtype}")
+    tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
+    tensors.update({"ref_logprobs": ref_logprobs, "entropy": entropy})
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.shape != loss_mask.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)} but loss_mask has {tuple(loss_mask.shape)}; "
+                "all inputs are [B, T]"
+            )
+    if cfg.entropy_coef != 0 and entropy is None:
+        raise ValueError(
+            f"objective.entropy_coef={cfg.entropy_coef} needs the token entropies: pass entropy=..., "
+            "or set objective.entropy_coef=0"
+        )
+    if cfg.ref_kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(
+            f"objective.ref_kl_coef={cfg.ref_kl_coef} needs reference logprobs: pass ref_logprobs=..., "
+            "or set objective.ref_kl_coef=0"
+        )
