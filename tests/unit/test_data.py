@@ -1,0 +1,294 @@
+"""Prompt datasets: file loading and row validation, the built-in arithmetic task, DataConfig sources."""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from omegaconf import OmegaConf
+
+from app.data import (
+    BUILTIN_TASKS,
+    ArithmeticConfig,
+    DataConfig,
+    DatasetError,
+    PromptRow,
+    arithmetic_prompts,
+    evaluate_expression,
+    load_prompts,
+    load_split,
+    sft_text,
+    split_of,
+)
+from trainer.model import TinyModelConfig, build_tiny_tokenizer, encode_prompt
+
+FIXTURE = Path(__file__).parent.parent / "fixtures" / "prompts_small.jsonl"
+GOOD = {"prompt": "1+1=", "answer": "2"}
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def test_jsonl_fixture_loads_every_row_shape():
+    rows = load_prompts(FIXTURE)
+    assert [r.id for r in rows] == ["math-1", "math-2", "code-1", "code-2"]
+    math1, math2, code1, code2 = rows
+    assert math1 == PromptRow("What is 2+3? Answer with a number.", None, "5", None, "math", "math-1", {})
+    assert math2.prompt is None and math2.messages[1] == {"role": "user", "content": "7*6="}
+    assert math2.answer == "42" and math2.metadata == {"source": "fixture"}  # a number is kept as its text
+    assert code1.task == "code" and code1.tests == ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]
+    assert code2.task == "code_stdio" and code2.metadata == {"difficulty": "easy"}
+
+
+def test_parquet_loads_like_jsonl(tmp_path):
+    table = pa.Table.from_pylist(
+        [
+            {"prompt": "2*3=", "answer": "6", "messages": None, "tests": None, "level": 1},
+            {
+                "prompt": None,
+                "messages": [{"role": "user", "content": "hi"}],
+                "answer": None,
+                "tests": ["assert f() == 1"],
+                "level": 2,
+            },
+        ]
+    )
+    pq.write_table(table, tmp_path / "p.parquet")
+    first, second = load_prompts(tmp_path / "p.parquet")
+    assert first == PromptRow("2*3=", None, "6", None, "math", "p.parquet:1", {"level": 1})
+    assert second.messages == [{"role": "user", "content": "hi"}] and second.prompt is None
+    assert second.tests == ["assert f() == 1"] and second.task == "code" and second.id == "p.parquet:2"
+
+
+def test_default_ids_use_line_numbers_and_skip_blank_lines(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n\n" + json.dumps(GOOD) + "\n")
+    assert [r.id for r in load_prompts(path)] == ["d.jsonl:1", "d.jsonl:3"]
+
+
+BAD_ROWS = [
+    ({"answer": "1"}, "prompt/messages", "neither"),
+    (
+        {"prompt": "x", "messages": [{"role": "user", "content": "x"}], "answer": "1"},
+        "prompt/messages",
+        "both",
+    ),
+    ({"prompt": "", "answer": "1"}, "prompt", "non-empty string"),
+    ({"prompt": 3, "answer": "1"}, "prompt", "non-empty string"),
+    ({"messages": [], "answer": "1"}, "messages", "non-empty list"),
+    ({"messages": "hi", "answer": "1"}, "messages", "non-empty list"),
+    ({"messages": ["hi"], "answer": "1"}, "messages[0]", "must be an object"),
+    ({"messages": [{"role": "robot", "content": "x"}], "answer": "1"}, "messages[0].role", "must be one of"),
+    ({"messages": [{"role": "user"}], "answer": "1"}, "messages[0].content", "must be a string"),
+    ({"prompt": "x"}, "answer/tests", "neither"),
+    ({"prompt": "x", "answer": ["1"]}, "answer", "must be a string"),
+    ({"prompt": "x", "answer": True}, "answer", "must be a string"),
+    ({"prompt": "x", "tests": []}, "tests", "non-empty list"),
+    ({"prompt": "x", "tests": "assert 1"}, "tests", "non-empty list"),
+    ({"prompt": "x", "answer": "1", "task": ""}, "task", "non-empty string"),
+    ({"prompt": "x", "answer": "1", "task": 5}, "task", "non-empty string"),
+    ({"prompt": "x", "answer": "1", "id": 1.5}, "id", "string or an integer"),
+    ({"prompt": "x", "answer": "1", "metadata": [1]}, "metadata", "must be an object"),
+    ({"prompt": "x", "answer": "1", "level": 1, "metadata": {"level": 2}}, "metadata", "keep one"),
+    (["prompt", "x"], "row", "not an object"),
+]
+
+
+@pytest.mark.parametrize(("row", "field", "why"), BAD_ROWS, ids=[f"{f}-{w}" for _, f, w in BAD_ROWS])
+def test_bad_row_names_file_line_field_and_fix(tmp_path, row, field, why):
+    path = write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, row])
+    with pytest.raises(DatasetError) as info:
+        load_prompts(path)
+    message = str(info.value)
+    assert f"{path}: line 3: field '{field}'" in message and why in message, message
+    assert "line 1" not in message and "line 2" not in message
+
+
+def test_bad_parquet_row_names_row_number(tmp_path):
+    pq.write_table(pa.Table.from_pylist([GOOD, {"prompt": "x", "answer": None}]), tmp_path / "b.parquet")
+    with pytest.raises(DatasetError, match=r"b\.parquet: row 2: field 'answer/tests' neither"):
+        load_prompts(tmp_path / "b.parquet")
+
+
+def test_all_bad_rows_reported_together(tmp_path):
+    path = write_jsonl(tmp_path / "many.jsonl", [{"prompt": "x"}] * 25)
+    with pytest.raises(DatasetError) as info:
+        load_prompts(path)
+    message = str(info.value)
+    assert "25 invalid field(s)" in message and "line 20:" in message and "... and 5 more" in message
+    assert isinstance(info.value, ValueError)
+
+
+def test_invalid_json_names_line(tmp_path):
+    path = tmp_path / "broken.jsonl"
+    path.write_text(json.dumps(GOOD) + "\n" + '{"prompt": "x", "answer": }\n')
+    with pytest.raises(DatasetError, match=r"broken\.jsonl: line 2: invalid JSON"):
+        load_prompts(path)
+
+
+def test_file_level_errors(tmp_path):
+    with pytest.raises(DatasetError, match="no such file"):
+        load_prompts(tmp_path / "missing.jsonl")
+    (tmp_path / "data.csv").write_text("prompt,answer\n")
+    with pytest.raises(DatasetError, match=r"unsupported file extension '\.csv'.*\.jsonl"):
+        load_prompts(tmp_path / "data.csv")
+    (tmp_path / "empty.jsonl").write_text("\n  \n")
+    with pytest.raises(DatasetError, match="no rows"):
+        load_prompts(tmp_path / "empty.jsonl")
+    pq.write_table(pa.table({"prompt": pa.array([], pa.string())}), tmp_path / "empty.parquet")
+    with pytest.raises(DatasetError, match="no rows"):
+        load_prompts(tmp_path / "empty.parquet")
+    (tmp_path / "fake.parquet").write_text("not parquet")
+    with pytest.raises(DatasetError, match="cannot read as Parquet"):
+        load_prompts(tmp_path / "fake.parquet")
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
+    with pytest.raises(DatasetError, match="UTF-8"):
+        load_prompts(tmp_path / "latin1.jsonl")
+
+
+# ---------------------------------------------------------------------------------------------- arithmetic
+
+
+def test_splits_never_overlap():
+    cfg = ArithmeticConfig()
+    train = arithmetic_prompts(cfg, "train", 20000)
+    test = arithmetic_prompts(cfg, "test", 2000)
+    train_prompts, test_prompts = {r.prompt for r in train}, {r.prompt for r in test}
+    assert len(train_prompts) == 20000 and len(test_prompts) == 2000  # unique within a split
+    assert not train_prompts & test_prompts
+    # The assignment is by the text alone, so another seed's train never meets this test split either.
+    other = arithmetic_prompts(ArithmeticConfig(seed=7), "train", 5000)
+    assert not {r.prompt for r in other} & test_prompts
+    assert all(split_of(r.prompt[:-1]) == "test" for r in test)
+
+
+def test_deterministic_from_seed_and_prefix_stable():
+    cfg = ArithmeticConfig(seed=3)
+    a = arithmetic_prompts(cfg, "train", 300)
+    assert a == arithmetic_prompts(ArithmeticConfig(seed=3), "train", 300)
+    assert arithmetic_prompts(cfg, "train", 100) == a[:100]
+    assert [r.prompt for r in arithmetic_prompts(ArithmeticConfig(seed=4), "train", 300)] != [
+        r.prompt for r in a
+    ]
+
+
+def test_answers_are_exact():
+    cfg = ArithmeticConfig(max_ops=5, max_operand=99)
+    rows = arithmetic_prompts(cfg, "train", 3000) + arithmetic_prompts(cfg, "test", 300)
+    for row in rows:
+        expr = row.prompt.removesuffix("=")
+        assert row.answer == str(eval(expr, {"__builtins__": {}}))  # Python itself as the oracle
+        assert row.task == "math" and sft_text(row) == row.answer
+        assert 1 <= row.metadata["num_ops"] <= 5 and row.prompt.endswith("=")
+    assert len({r.id for r in rows}) == len(rows)
+
+
+def test_expression_shape_follows_config():
+    rows = arithmetic_prompts(
+        ArithmeticConfig(min_ops=2, max_ops=2, operators="*", max_operand=5), "train", 50
+    )
+    for row in rows:
+        operands = row.prompt[:-1].split("*")
+        assert len(operands) == 3 and all(0 <= int(x) <= 5 for x in operands)
+
+
+def test_evaluate_expression_precedence():
+    assert evaluate_expression("7+5*3-4") == 18
+    assert evaluate_expression("2*3*4-10-1") == 13
+    assert evaluate_expression("0-9*9") == -81
+    with pytest.raises(ValueError):
+        evaluate_expression("1+")
+
+
+def test_too_small_space_names_config_keys():
+    cfg = ArithmeticConfig(max_ops=1, max_operand=2, operators="+")  # 9 expressions in all
+    with pytest.raises(ValueError, match=r"only 9 expressions exist.*data\.arithmetic\.max_operand"):
+        arithmetic_prompts(cfg, "train", 10)
+    with pytest.raises(
+        ValueError, match=r"test split has \d expressions, 9 requested.*data\.arithmetic\.max_ops"
+    ):
+        arithmetic_prompts(cfg, "test", 9)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"min_ops": 0}, "data.arithmetic.min_ops"),
+        ({"min_ops": 3, "max_ops": 2}, "data.arithmetic.max_ops"),
+        ({"max_operand": 0}, "data.arithmetic.max_operand"),
+        ({"operators": "+/"}, "data.arithmetic.operators"),
+        ({"operators": ""}, "data.arithmetic.operators"),
+    ],
+)
+def test_arithmetic_config_validation(kwargs, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        ArithmeticConfig(**kwargs)
+
+
+def test_prompts_fit_the_tiny_tokenizer():
+    tokenizer = build_tiny_tokenizer()
+    max_len = TinyModelConfig().max_position_embeddings
+    cfg = ArithmeticConfig()
+    for row in arithmetic_prompts(cfg, "train", 500) + arithmetic_prompts(cfg, "test", 100):
+        ids = encode_prompt(tokenizer, row.prompt)
+        completion = tokenizer(sft_text(row), add_special_tokens=False)["input_ids"] + [
+            tokenizer.eos_token_id
+        ]
+        assert tokenizer.decode(ids) == row.prompt
+        assert len(ids) == len(row.prompt)  # one token per ASCII character
+        assert len(ids) + len(completion) < max_len
+
+
+# ---------------------------------------------------------------------------------------------- DataConfig
+
+
+def test_load_split_builtin_and_file(tmp_path):
+    cfg = DataConfig(num_train=50, num_eval=20)
+    train, evaluation = load_split(cfg, "train"), load_split(cfg, "eval")
+    assert len(train) == 50 and len(evaluation) == 20
+    assert train == arithmetic_prompts(cfg.arithmetic, "train", 50)
+    assert evaluation == arithmetic_prompts(cfg.arithmetic, "test", 20)
+    file_cfg = DataConfig(train=str(FIXTURE), eval=str(FIXTURE))
+    assert [r.id for r in load_split(file_cfg, "eval")] == ["math-1", "math-2", "code-1", "code-2"]
+    with pytest.raises(DatasetError, match="no such file"):
+        load_split(DataConfig(train=str(tmp_path / "nope.jsonl")), "train")
+
+
+def test_data_config_is_omegaconf_structured():
+    merged = OmegaConf.merge(
+        OmegaConf.structured(DataConfig),
+        OmegaConf.from_dotlist(["num_train=10", "arithmetic.max_ops=2", "arithmetic.seed=5"]),
+    )
+    cfg = OmegaConf.to_object(merged)
+    assert isinstance(cfg, DataConfig) and isinstance(cfg.arithmetic, ArithmeticConfig)
+    assert cfg.num_train == 10 and asdict(cfg.arithmetic)["max_ops"] == 2
+    with pytest.raises(ValueError, match=r"data\.arithmetic\.max_ops"):
+        OmegaConf.to_object(OmegaConf.merge(merged, OmegaConf.from_dotlist(["arithmetic.max_ops=0"])))
+    assert set(BUILTIN_TASKS) == {"arithmetic"}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"train": "builtin:sudoku"}, r"data\.train='builtin:sudoku': unknown built-in task"),
+        ({"eval": "prompts.csv"}, r"data\.eval='prompts.csv' is neither"),
+        ({"num_train": 0}, r"data\.num_train=0"),
+        ({"num_eval": -1}, r"data\.num_eval=-1"),
+    ],
+)
+def test_data_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DataConfig(**kwargs)
+
+
+def test_sft_text_needs_an_answer():
+    row = PromptRow("x", None, None, ["assert 1"], "code", "r1", {})
+    with pytest.raises(ValueError, match="no answer"):
+        sft_text(row)
