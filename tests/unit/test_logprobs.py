@@ -1,0 +1,139 @@
+"""token_logprobs on a tiny random Qwen2: index convention, padding invariance, temperature, entropy, chunking."""
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from trainer.logprobs import token_logprobs
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def _sequences(seed: int = 1) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=gen) for n in (7, 4, 10)]
+
+
+def _pad(seqs: list[torch.Tensor], side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    mask = torch.zeros(len(seqs), length, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        cols = slice(0, len(s)) if side == "right" else slice(length - len(s), length)
+        ids[i, cols] = s
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def _direct_log_softmax(model, seq: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of one unpadded sequence: log_softmax(logits[t-1] / T)[token t], with index 0 = 0."""
+    logits = model(input_ids=seq[None]).logits[0].float() / temperature
+    logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, seq[1:, None])[:, 0]
+    return torch.cat([torch.zeros(1), logp])
+
+
+@torch.no_grad()
+def test_logprobs_equal_direct_log_softmax_gather(model):
+    seqs = _sequences()
+    ids, mask = _pad(seqs, "right")
+    logprobs, entropy = token_logprobs(model, ids, mask)
+    assert entropy is None
+    assert logprobs.dtype == torch.float32 and logprobs.shape == ids.shape
+    for i, seq in enumerate(seqs):
+        torch.testing.assert_close(
+            logprobs[i, : len(seq)], _direct_log_softmax(model, seq), atol=1e-5, rtol=0
+        )
+        assert torch.all(logprobs[i, len(seq) :] == 0)  # padding
+    assert torch.all(logprobs[:, 0] == 0)
+    assert torch.all(logprobs[mask.bool() & (torch.arange(ids.shape[1]) > 0)] < 0)
+
+
+@torch.no_grad()
+def test_left_and_right_padding_agree_on_valid_tokens(model):
+    seqs = _sequences()
+    right, _ = token_logprobs(model, *_pad(seqs, "right"), with_entropy=True)
+    left, _ = token_logprobs(model, *_pad(seqs, "left"), with_entropy=True)
+    length = right.shape[1]
+    for i, seq in enumerate(seqs):
+        n = len(seq)
+        torch.testing.assert_close(left[i, length - n :], right[i, :n], atol=1e-5, rtol=0)
+        assert torch.all(left[i, : length - n] == 0)
+
+
+@torch.no_grad()
+def test_temperature_scales_the_logits(model):
+    seqs = _sequences()
+    ids, mask = _pad(seqs, "right")
+    logprobs, _ = token_logprobs(model, ids, mask, temperature=0.7)
+    for i, seq in enumerate(seqs):
+        expected = _direct_log_softmax(model, seq, temperature=0.7)
+        torch.testing.assert_close(logprobs[i, : len(seq)], expected, atol=1e-5, rtol=0)
+    plain, _ = token_logprobs(model, ids, mask)
+    assert not torch.allclose(plain, logprobs)
+
+
+@torch.no_grad()
+def test_entropy_matches_a_direct_computation(model):
+    seqs = _sequences()
+    ids, mask = _pad(seqs, "right")
+    _, entropy = token_logprobs(model, ids, mask, temperature=1.3, with_entropy=True)
+    for i, seq in enumerate(seqs):
+        probs = torch.softmax(model(input_ids=seq[None]).logits[0, :-1].float() / 1.3, dim=-1)
+        expected = -(probs * probs.log()).sum(-1)
+        torch.testing.assert_close(entropy[i, 1 : len(seq)], expected, atol=1e-5, rtol=0)
+        assert entropy[i, 0] == 0 and torch.all(entropy[i, len(seq) :] == 0)
+    assert torch.all(entropy[mask.bool()][1:] <= torch.log(torch.tensor(float(VOCAB))) + 1e-5)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
+def test_chunking_changes_neither_values_nor_gradients(model, chunk_size):
+    ids, mask = _pad(_sequences(), "right")
+
+    def run(chunk):
+        model.zero_grad()
+        logprobs, entropy = token_logprobs(model, ids, mask, with_entropy=True, chunk_size=chunk)
+        (logprobs.sum() + 0.1 * entropy.sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        return logprobs.detach(), entropy.detach(), grads
+
+    ref_lp, ref_ent, ref_grads = run(ids.shape[1])
+    lp, ent, grads = run(chunk_size)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-6, rtol=0)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, ref, atol=1e-5, rtol=1e-5)
+    assert any(g.abs().sum() > 0 for g in grads)
+    model.zero_grad()
+
+
+def test_left_padding_gradients_are_finite(model):
+    """A left-padded row starts with pad queries that attend to nothing; no NaN may leak into gradients."""
+    ids, mask = _pad(_sequences(), "left")
+    model.zero_grad()
+    logprobs, entropy = token_logprobs(model, ids, mask, with_entropy=True)
+    (logprobs.sum() + entropy.sum()).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    model.zero_grad()
+
+
+def test_bad_inputs_raise(model):
+    ids, mask = _pad(_sequences(), "right")
+    with pytest.raises(ValueError, match="temperature"):
+        token_logprobs(model, ids, mask, temperature=0.0)
+    with pytest.raises(ValueError, match=r"\[B, L\]"):
+        token_logprobs(model, ids, mask[:, :-1])

@@ -1,0 +1,362 @@
+"""One optimizer step: micro-batches, the global token count, the ESS reduction, backward, clipping, update.
+
+This is the one module that calls both sides (STYLE.md): the pure objective (`trainer/objective.py`) and the
+systems code (`trainer/distributed.py`, through the injected `Reducer`; no collective is called here).
+
+`train_step` in order (torchtitan `train_step`):
+1. Valid tokens = `valid_token_mask(loss_mask, old_logprobs)` (tokens with a non-finite behaviour logprob are
+   dropped, not zeroed). N = their count SUM-reduced over ranks, once, before the micro-batch loop.
+2. The batch is cut into micro-batches of `micro_batch_size` rows. Every rank must run the same number of
+   forwards and backwards (FSDP2 communicates in each), so the count is MAX-reduced and a rank with fewer
+   rows runs padding micro-batches: one of its rows with an all-False mask, which adds 0 to the loss, the
+   gradient, N and the ESS sums. Any batch size on any rank works; no divisibility is required.
+3. ESS (DESIGN.md §4) from the detached ratios: local (Σr, Σr², n) → `reducer.sum_` → `ess_from_sums`.
+   `ess_scope="micro_batch"` (default, as FeynRL): one ESS per micro-batch index, over that micro-batch on
+   all ranks. `ess_scope="step"`: one ESS over the whole step, from an extra no-grad forward pass over all
+   micro-batches before the training pass (one more forward per step).
+4. loss = `policy_objective(..., num_tokens=N, ess=ess)`; `(loss * dp_scale).backward()`.
+5. Pre-clip global grad norm, clipped to `max_grad_norm` with `torch.nn.utils.clip_grad_norm_`.
+6. Non-finite guard: when the loss or the grad norm is non-finite on ANY rank (a flag MAX-reduced), the
+   gradients are zeroed and neither the optimizer nor the scheduler steps (DESIGN.md §8).
+7. `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`.
+
+Gradient convention (DP scaling, STYLE.md). Each micro-batch loss is its masked token sum divided by the
+GLOBAL N, so gradients accumulated over micro-batches and summed over ranks are the gradient of
+(global token-sum loss) / N. FSDP2 reduce-scatters gradients with an AVERAGE over the W data-parallel ranks;
+backpropagating `loss * dp_scale` with `dp_scale = W` cancels it. After the step every parameter's gradient
+equals ∇[(Σ over all tokens of all ranks) / N], whatever the world size and the micro-batch size. No
+gradient-accumulation factor appears (FeynRL's `dp_scale = ga_steps * world_size` cancels a per-micro-batch
+mean, which we never take). This assumes gradients averaged over the reducer's group, as `shard_model` sets
+up: a multi-rank reducer with an unsharded model (no gradient sync at all) is refused.
+
+Metrics returned (Python floats, identical on every rank):
+- `loss/total`: the loss of the step, Σ over tokens / N (what was backpropagated, before dp_scale).
+- `loss/policy`: the surrogate term alone, / N.
+- `loss/kl_behaviour`: k3 KL to the behaviour policy, token mean (ESS weights it by 1 − ESS).
+- `loss/clipfrac`: fraction of valid tokens whose weight was capped (ESS cap or PPO clip).
+- `loss/ratio/mean`, `loss/ratio/max`: mean and max importance ratio exp(ℓ − b) over valid tokens.
+- `loss/entropy`: mean token entropy of the policy at the sampling temperature (always computed; it is in
+  the loss only when `objective.entropy_coef > 0`).
+- `loss/ref_kl`: k3 KL to the reference policy, token mean (only when the batch has `ref_logprobs`).
+- `loss/ess`: the ESS used, averaged over micro-batches (the one per-step ESS for `ess_scope="step"`);
+  computed for every objective, as a staleness diagnostic, but only `ess` uses it.
+- `train/grad_norm`: global L2 norm of the gradient BEFORE clipping (NaN/inf on a skipped step).
+- `train/lr`: the learning rate this step used (read before `scheduler.step()`).
+- `train/num_tokens`: N, the global number of valid tokens.
+- `train/micro_batches`: micro-batches per rank, padding included.
+- `train/skipped` and `train/skipped_steps`: 1.0 when the non-finite guard skipped the update, else 0.0
+  (the same value; `skipped_steps` is the name to sum into a run-level counter).
+- `timing/train_step`: wall-clock seconds of the call.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from trainer.distributed import Reducer, full_value, is_sharded
+from trainer.logprobs import token_logprobs
+from trainer.objective import (
+    ObjectiveConfig,
+    ess_from_sums,
+    ess_partial_sums,
+    policy_objective,
+    valid_token_mask,
+)
+
+ESS_SCOPES: tuple[str, ...] = ("micro_batch", "step")
+
+
+@dataclass
+class TrainBatch:
+    """The tensors of one optimizer step on one rank, all [B, L] and aligned by token (index t = token t).
+
+    Validated once, here; values at positions where `loss_mask` is False are never read.
+    """
+
+    input_ids: Tensor
+    """[B, L] int64 prompt + response token ids, right- or left-padded."""
+    attention_mask: Tensor
+    """[B, L] bool or integer, 1 on real tokens."""
+    loss_mask: Tensor
+    """[B, L] bool, True where input_ids[:, t] is a response token that is trained on; False at t = 0."""
+    old_logprobs: Tensor
+    """[B, L] float32 behaviour logprob of token t (from the engine that sampled it); non-finite → dropped."""
+    advantages: Tensor
+    """[B, L] float32 advantage of token t; must be finite where loss_mask is True."""
+    ref_logprobs: Tensor | None = None
+    """[B, L] float32 reference-policy logprob of token t, or None (needed when objective.ref_kl_coef > 0)."""
+    temperature: float = 1.0
+    """Sampling temperature of the rollouts: the trainer's logprobs and entropies are computed at it, so they
+    are comparable with the behaviour logprobs (which engines report at the sampling temperature)."""
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature <= 0:
+            raise ValueError(f"TrainBatch.temperature={self.temperature} must be > 0 (the sampling temperature)")
+        fields = {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "loss_mask": self.loss_mask,
+            "old_logprobs": self.old_logprobs,
+            "advantages": self.advantages,
+            "ref_logprobs": self.ref_logprobs,
+        }
+        given = {k: v for k, v in fields.items() if v is not None}
+        for name, value in given.items():
+            if not isinstance(value, Tensor):
+                raise ValueError(f"TrainBatch.{name} must be a torch.Tensor, got {type(value).__name__}")
+        shapes = ", ".join(f"{k}={tuple(v.shape)}" for k, v in given.items())
+        if self.input_ids.dim() != 2 or any(v.shape != self.input_ids.shape for v in given.values()):
+            raise ValueError(f"TrainBatch tensors must all be [B, L] with the same shape; got {shapes}")
+        if self.input_ids.shape[0] < 1 or self.input_ids.shape[1] < 2:
+            raise ValueError(f"TrainBatch needs B >= 1 rows of L >= 2 tokens; got {shapes}")
+        devices = {str(v.device) for v in given.values()}
+        if len(devices) > 1:
+            raise ValueError(f"TrainBatch tensors must be on one device; got {sorted(devices)}")
+        if self.input_ids.dtype != torch.int64:
+            raise ValueError(f"TrainBatch.input_ids must be int64 (use .long()); got {self.input_ids.dtype}")
+        if self.attention_mask.dtype != torch.bool and self.attention_mask.is_floating_point():
+            raise ValueError(
+                f"TrainBatch.attention_mask must be bool or integer; got {self.attention_mask.dtype}"
+            )
+        if self.loss_mask.dtype != torch.bool:
+            raise ValueError(f"TrainBatch.loss_mask must be bool (use .bool()); got {self.loss_mask.dtype}")
+        for name in ("old_logprobs", "advantages", "ref_logprobs"):
+            value = given.get(name)
+            if value is not None and value.dtype != torch.float32:
+                raise ValueError(f"TrainBatch.{name} must be float32 (use .float()); got {value.dtype}")
+        if self.loss_mask[:, 0].any():
+            raise ValueError(
+                f"TrainBatch.loss_mask is True at index 0 (rows {_rows(self.loss_mask[:, 0])}); nothing "
+                f"predicts the first token, so it cannot be trained on ({shapes})"
+            )
+        outside = self.loss_mask & ~self.attention_mask.bool()
+        if outside.any():
+            raise ValueError(
+                f"TrainBatch.loss_mask is True on padding (attention_mask 0) in rows {_rows(outside.any(1))} "
+                f"({shapes})"
+            )
+        bad_adv = self.loss_mask & ~torch.isfinite(self.advantages)
+        if bad_adv.any():
+            raise ValueError(
+                f"TrainBatch.advantages has {int(bad_adv.sum())} NaN/inf values on loss_mask tokens "
+                f"(rows {_rows(bad_adv.any(1))}; {shapes}); fix the reward/advantage computation"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def num_valid_tokens(self) -> int:
+        """Tokens trained on: loss_mask and a finite behaviour logprob (this rank's share of N)."""
+        return int(valid_token_mask(self.loss_mask, self.old_logprobs).sum())
+
+
+def _rows(row_flags: Tensor, limit: int = 5) -> str:
+    rows = row_flags.nonzero().flatten().tolist()
+    return ", ".join(map(str, rows[:limit])) + (", ..." if len(rows) > limit else "")
+
+
+@dataclass
+class TrainerConfig:
+    """How `train_step` runs one optimizer step (`trainer.*` in the run config)."""
+
+    micro_batch_size: int = 64
+    """Rows per forward/backward on each rank; bounds activation memory, does not change the gradient."""
+
+    max_grad_norm: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still reported)."""
+
+    ess_scope: str = "micro_batch"
+    """ESS computed per micro-batch across ranks (`micro_batch`, as FeynRL) or once per step (`step`)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise ValueError(
+                f"trainer.micro_batch_size={self.micro_batch_size!r} must be an integer >= 1 (e.g. 64)"
+            )
+        if not math.isfinite(self.max_grad_norm) or self.max_grad_norm < 0:
+            raise ValueError(
+                f"trainer.max_grad_norm={self.max_grad_norm} must be a finite number >= 0; 0 disables clipping"
+            )
+        if self.ess_scope not in ESS_SCOPES:
+            raise ValueError(f"trainer.ess_scope={self.ess_scope!r} must be one of {list(ESS_SCOPES)}")
+
+
+@dataclass
+class _MicroBatch:
+    input_ids: Tensor
+    attention_mask: Tensor
+    mask: Tensor  # valid tokens (all False for a padding micro-batch)
+    old_logprobs: Tensor
+    advantages: Tensor
+    ref_logprobs: Tensor | None
+
+
+def _micro_batches(
+    batch: TrainBatch, valid: Tensor, size: int, count: int, device: torch.device
+) -> list[_MicroBatch]:
+    """`count` micro-batches of up to `size` rows on `device`; the ones past the data are padding."""
+    out = []
+    for i in range(count):
+        start = i * size
+        padding = start >= batch.batch_size
+        rows = slice(0, 1) if padding else slice(start, min(start + size, batch.batch_size))
+        attention = batch.attention_mask[rows]
+        # Drop trailing columns that are padding in every row: they change no attended token's logprob.
+        length = int(attention.bool().any(0).nonzero().max()) + 1 if attention.bool().any() else 2
+        cols = (rows, slice(0, max(length, 2)))
+        mask = valid[cols]
+        if padding:
+            mask = torch.zeros_like(mask)
+        ref = batch.ref_logprobs[cols] if batch.ref_logprobs is not None else None
+        out.append(
+            _MicroBatch(
+                input_ids=batch.input_ids[cols].to(device, non_blocking=True),
+                attention_mask=attention[:, cols[1]].to(device, non_blocking=True),
+                mask=mask.to(device, non_blocking=True),
+                old_logprobs=batch.old_logprobs[cols].to(device, non_blocking=True),
+                advantages=batch.advantages[cols].to(device, non_blocking=True),
+                ref_logprobs=ref.to(device, non_blocking=True) if ref is not None else None,
+            )
+        )
+    return out
+
+
+def _detached_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, max_log_ratio: float) -> Tensor:
+    """exp(clamp(ℓ − b, ±max_log_ratio)) in float32, no gradient; 1 where `mask` is False."""
+    log_ratio = torch.where(mask, logprobs.detach().float() - old_logprobs.float(), 0.0)
+    return log_ratio.clamp(-max_log_ratio, max_log_ratio).exp()
+
+
+def _reduced_ess(sums: Tensor, reducer: Reducer) -> float:
+    return ess_from_sums(reducer.sum_(sums.detach().to(torch.float64).cpu()))
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: TrainBatch,
+    objective: ObjectiveConfig,
+    reducer: Reducer,
+    cfg: TrainerConfig,
+    *,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> dict[str, float]:
+    """One optimizer step on `batch` (this rank's share); returns the metrics in the module docstring.
+
+    A collective when `reducer` spans several ranks: every rank calls it with its own batch. The model runs
+    in whatever train/eval mode it is in (RL wants dropout off; the tiny model is built in eval mode).
+    """
+    start_time = time.perf_counter()
+    if reducer.world_size > 1 and not is_sharded(model):
+        raise ValueError(
+            f"train_step got a reducer over {reducer.world_size} ranks but an unsharded model, whose "
+            "gradients would never be synchronised: wrap it with trainer.distributed.shard_model first"
+        )
+    device = next(model.parameters()).device
+
+    # (a) The global token count, once, before the micro-batch loop.
+    valid = valid_token_mask(batch.loss_mask, batch.old_logprobs)
+    num_tokens = float(reducer.sum_(valid.sum().to(torch.float64).cpu().reshape(1)).item())
+    local_micro = math.ceil(batch.batch_size / cfg.micro_batch_size)
+    num_micro = int(reducer.max_(torch.tensor([local_micro], dtype=torch.float64)).item())
+    micro_batches = _micro_batches(batch, valid, cfg.micro_batch_size, num_micro, device)
+
+    def forward(mb: _MicroBatch) -> tuple[Tensor, Tensor]:
+        logprobs, entropy = token_logprobs(
+            model, mb.input_ids, mb.attention_mask, temperature=batch.temperature, with_entropy=True
+        )
+        assert entropy is not None
+        return logprobs, entropy
+
+    step_ess: float | None = None
+    if cfg.ess_scope == "step":
+        sums = torch.zeros(3, dtype=torch.float64)
+        with torch.no_grad():
+            for mb in micro_batches:
+                logprobs, _ = forward(mb)
+                ratio = _detached_ratio(logprobs, mb.old_logprobs, mb.mask, objective.max_log_ratio)
+                sums += ess_partial_sums(ratio, mb.mask).cpu()
+        step_ess = _reduced_ess(sums, reducer)
+
+    # (b) Forward/backward per micro-batch; gradients accumulate in .grad.
+    dp_scale = float(reducer.world_size)
+    sum_metrics: dict[str, Tensor] = {}
+    max_metrics: dict[str, Tensor] = {}
+    ess_values: list[float] = []
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        logprobs, entropy = forward(mb)
+        if objective.entropy_coef == 0:
+            entropy = entropy.detach()  # a metric only: no gradient path through it
+        if step_ess is None:
+            ratio = _detached_ratio(logprobs, mb.old_logprobs, mb.mask, objective.max_log_ratio)
+            ess = _reduced_ess(ess_partial_sums(ratio, mb.mask), reducer)
+        else:
+            ess = step_ess
+        ess_values.append(ess)
+        loss, metrics = policy_objective(
+            logprobs,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.mask,
+            objective,
+            num_tokens=num_tokens,
+            ess=ess,
+            ref_logprobs=mb.ref_logprobs,
+            entropy=entropy,
+        )
+        (loss * dp_scale).backward()
+        local_loss += loss.detach().to(torch.float64)
+        for key, value in metrics.items():
+            if key == "loss/ess":
+                continue
+            value = value.detach().to(torch.float64)
+            if key.endswith("/max"):
+                max_metrics[key] = torch.maximum(max_metrics[key], value) if key in max_metrics else value
+            else:
+                sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
+
+    # (c) Pre-clip global gradient norm; clip.
+    params = [p for p in model.parameters() if p.requires_grad]
+    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
+    grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+
+    # (d) Non-finite guard, agreed by all ranks.
+    local_bad = not (math.isfinite(float(local_loss)) and math.isfinite(grad_norm))
+    skipped = float(reducer.max_(torch.tensor([float(local_bad)], dtype=torch.float64)).item()) > 0
+
+    # (e) Update.
+    lr = float(optimizer.param_groups[0]["lr"])
+    if not skipped:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    result: dict[str, float] = {}
+    sum_keys, max_keys = sorted(sum_metrics), sorted(max_metrics)
+    if sum_keys:
+        summed = reducer.sum_(torch.stack([sum_metrics[k] for k in sum_keys]).cpu())
+        result.update(zip(sum_keys, summed.tolist(), strict=True))
+    if max_keys:
+        maxed = reducer.max_(torch.stack([max_metrics[k] for k in max_keys]).cpu())
+        result.update(zip(max_keys, maxed.tolist(), strict=True))
+    result["loss/ess"] = sum(ess_values) / len(ess_values)
+    result.update(
+        {
+            "train/grad_norm": grad_norm,
+            "train/lr": lr,
+            "train/num_tokens": num_tokens,
+            "train/micro_batches": float(num_micro),
+            "train/skipped": float(skipped),
+            "train/skipped_steps": float(skipped),
+            "timing/train_step": time.perf_counter() - start_time,
+        }
+    )
+    return result
