@@ -1,0 +1,30 @@
+# The two README commands: `make quickstart` (set up + train) and `make test` (set up + the whole suite).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build; then the package.
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup quickstart test lint clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+quickstart: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/trustbatch train configs/quickstart.yaml
+
+# pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+lint: setup
+	$(VENV)/bin/ruff check app trainer rewards sandbox tests bench
+
+clean:
+	rm -rf $(VENV) runs
