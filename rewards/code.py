@@ -1,0 +1,216 @@
+"""Code answers run in the sandbox against the sample's tests.
+
+The program is the last fenced ```python block of the completion (else the last unlabelled fenced block, else
+the whole text). ``reference`` holds the tests, as a list (or ``{"tests": [...]}``, or that as a JSON string):
+
+- ``{"stdin": "1 2\\n", "stdout": "3\\n"}``: run the program with this input; its output must match.
+  ``input``/``output`` are accepted as aliases.
+- ``{"code": "assert add(2, 2) == 4"}``: appended to the program; passes when the run exits with status 0.
+
+Each test is one sandbox execution with its own limits (``wall_s``, ``cpu_s``, ``memory_mb``). The reward is the
+fraction of tests passed (``mode: fraction``) or 1.0 only when all pass (``mode: all``); the breakdown lists
+each failed test with why: ``wrong_answer``, ``error``, ``timeout``, ``memory`` or ``output_limit``. The code is
+never run outside ``sandbox.execute``; a sandbox that cannot run at all is a ``Score.error``, not a wrong answer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from rewards.registry import config_from_params, register
+from rewards.types import Score, Verifier, VerifierInput
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"python", "py", "python3"}
+
+
+@dataclass
+class CodeVerifierConfig:
+    """Parameters of the ``code`` verifier (``rewards.verifiers[i].params``)."""
+
+    mode: Literal["fraction", "all"] = "fraction"
+    """``fraction``: reward = tests passed / tests; ``all``: 1.0 only when every test passes."""
+    wall_s: float = 5.0
+    """Wall-clock limit of one test run (sandbox ``Limits.wall_s``)."""
+    cpu_s: float = 5.0
+    """CPU-time limit of one test run (sandbox ``Limits.cpu_s``)."""
+    memory_mb: int = 512
+    """Memory limit of one test run (sandbox ``Limits.memory_mb``)."""
+    max_output_bytes: int = 1 << 20
+    """Cap on each of stdout and stderr of one test run."""
+    backend: str = "auto"
+    """Sandbox backend passed to ``sandbox.execute``: auto, docker or bwrap."""
+    sandbox: dict[str, Any] = field(default_factory=dict)
+    """If set, fields of ``sandbox.SandboxConfig`` applied with ``sandbox.configure`` in every process that
+    builds this verifier (reward workers do not inherit the parent's sandbox configuration)."""
+    fail_fast: bool = False
+    """Stop at the first failing test and skip the rest (they count as failed): saves sandbox time where partial
+    credit is not wanted, e.g. with ``mode: all``."""
+    compare: Literal["lines", "exact", "tokens"] = "lines"
+    """stdout comparison: ``lines`` ignores trailing whitespace per line and trailing blank lines; ``exact``
+    compares the text as is; ``tokens`` compares whitespace-separated tokens."""
+    max_program_chars: int = 100_000
+    """A longer extracted program is not run (judged wrong)."""
+    max_failures_reported: int = 10
+    """Failed tests listed in the breakdown (the count is always complete)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("fraction", "all"):
+            raise ValueError(f"code verifier params.mode={self.mode!r} must be 'fraction' or 'all'")
+        if self.compare not in ("lines", "exact", "tokens"):
+            raise ValueError(
+                f"code verifier params.compare={self.compare!r} must be 'lines', 'exact' or 'tokens'"
+            )
+        if self.backend not in ("auto", "docker", "bwrap", "none"):
+            raise ValueError(
+                f"code verifier params.backend={self.backend!r} must be one of auto, docker, bwrap (or none, "
+                "which needs sandbox.allow_unsandboxed)"
+            )
+        for name in ("wall_s", "cpu_s", "memory_mb", "max_output_bytes", "max_program_chars"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"code verifier params.{name}={getattr(self, name)!r} must be > 0")
+
+
+def extract_program(text: str) -> str:
+    """The last fenced python block, else the last unlabelled fenced block, else the whole text."""
+    blocks = _FENCE.findall(text or "")
+    for wanted in (lambda tag: tag.lower() in _PYTHON_TAGS, lambda tag: tag == ""):
+        chosen = [body for tag, body in blocks if wanted(tag)]
+        if chosen:
+            return chosen[-1]
+    return text or ""
+
+
+def parse_tests(reference: Any) -> list[dict[str, str]]:
+    """Normalise a reference into a list of tests ``{"stdin", "stdout"}`` or ``{"code"}``; ValueError if malformed."""
+    if isinstance(reference, str):
+        try:
+            reference = json.loads(reference)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"tests are a string but not JSON ({e})") from e
+    if isinstance(reference, dict):
+        if "tests" in reference:
+            reference = reference["tests"]
+        elif "inputs" in reference and "outputs" in reference:  # APPS-style columns
+            reference = [
+                {"stdin": i, "stdout": o}
+                for i, o in zip(reference["inputs"], reference["outputs"], strict=True)
+            ]
+        else:
+            reference = [reference]
+    if not isinstance(reference, (list, tuple)) or not reference:
+        raise ValueError(f"expected a non-empty list of tests, got {type(reference).__name__}")
+    tests = []
+    for i, test in enumerate(reference):
+        if not isinstance(test, dict):
+            raise ValueError(f"test {i} is {type(test).__name__}, not a dict")
+        if "code" in test:
+            tests.append({"code": str(test["code"])})
+            continue
+        stdin = test.get("stdin", test.get("input"))
+        stdout = test.get("stdout", test.get("output"))
+        if stdout is None:
+            raise ValueError(f"test {i} has neither 'code' nor 'stdout' (keys: {sorted(test)})")
+        tests.append({"stdin": "" if stdin is None else str(stdin), "stdout": str(stdout)})
+    return tests
+
+
+def outputs_match(expected: str, actual: str, compare: str) -> bool:
+    if compare == "exact":
+        return expected == actual
+    if compare == "tokens":
+        return expected.split() == actual.split()
+    clean = lambda text: "\n".join(line.rstrip() for line in text.rstrip().splitlines())  # noqa: E731
+    return clean(expected) == clean(actual)
+
+
+def _tail(text: str, limit: int = 200) -> str:
+    lines = [line for line in (text or "").strip().splitlines() if line.strip()]
+    return (lines[-1] if lines else "")[-limit:]
+
+
+class CodeVerifier:
+    """Runs the extracted program once per test in the sandbox; see the module docstring."""
+
+    def __init__(self, cfg: CodeVerifierConfig) -> None:
+        try:
+            import sandbox
+        except ImportError as e:  # pragma: no cover - sandbox ships with trustbatch
+            raise ValueError(f"the code verifier needs the sandbox package ({e})") from e
+        if cfg.sandbox:
+            sandbox.configure(sandbox.SandboxConfig(**cfg.sandbox))
+        self.cfg = cfg
+        self._sandbox = sandbox
+        self._limits = sandbox.Limits(
+            wall_s=cfg.wall_s, cpu_s=cfg.cpu_s, memory_mb=cfg.memory_mb, max_output_bytes=cfg.max_output_bytes
+        )
+
+    def _run_test(self, program: str, test: dict[str, str]) -> tuple[str | None, str]:
+        """``(None, "")`` when the test passes, else ``(why, detail)``."""
+        if "code" in test:
+            result = self._sandbox.execute(
+                program + "\n\n" + test["code"] + "\n", limits=self._limits, backend=self.cfg.backend
+            )
+        else:
+            result = self._sandbox.execute(
+                program, stdin=test["stdin"], limits=self._limits, backend=self.cfg.backend
+            )
+        if result.timed_out:
+            return "timeout", f"no result within {self.cfg.wall_s:g} s wall / {self.cfg.cpu_s:g} s CPU"
+        if result.memory_exceeded:
+            return "memory", f"exceeded {self.cfg.memory_mb} MB"
+        if result.output_truncated:
+            return "output_limit", f"output passed {self.cfg.max_output_bytes} bytes"
+        if result.exit_code != 0:
+            last = _tail(result.stderr)
+            if "code" in test and last.startswith("AssertionError"):
+                return "wrong_answer", last
+            return "error", last or f"exit code {result.exit_code}"
+        if "stdout" in test and not outputs_match(test["stdout"], result.stdout, self.cfg.compare):
+            return "wrong_answer", f"expected {test['stdout'][:80]!r}, got {result.stdout[:80]!r}"
+        return None, ""
+
+    def __call__(self, sample: VerifierInput) -> Score:
+        cfg = self.cfg
+        try:
+            tests = parse_tests(sample.reference)
+        except ValueError as e:
+            return Score(0.0, None, {}, error=f"code: bad tests in reference: {e}")
+        program = extract_program(sample.completion)
+        total = len(tests)
+        if not program.strip() or len(program) > cfg.max_program_chars:
+            why = (
+                "no program" if not program.strip() else f"program longer than {cfg.max_program_chars} chars"
+            )
+            return Score(0.0, False, {"passed": 0, "total": total, "failed": [], "reason": why})
+        passed = 0
+        failed: list[dict[str, Any]] = []
+        n_failed = 0
+        try:
+            for i, test in enumerate(tests):
+                why, detail = self._run_test(program, test)
+                if why is None:
+                    passed += 1
+                    continue
+                n_failed += 1
+                if len(failed) < cfg.max_failures_reported:
+                    failed.append({"test": i, "why": why, "detail": detail})
+                if cfg.fail_fast:
+                    break
+        except (self._sandbox.SandboxUnavailable, self._sandbox.SandboxError) as e:
+            return Score(0.0, None, {"passed": passed, "total": total}, error=f"sandbox: {e}"[:1000])
+        all_passed = passed == total
+        if cfg.fail_fast:
+            n_failed = total - passed  # skipped tests count as failed
+        reward = passed / total if cfg.mode == "fraction" else float(all_passed)
+        breakdown = {"passed": passed, "total": total, "num_failed": n_failed, "failed": failed}
+        return Score(reward, all_passed, breakdown)
+
+
+@register("code")
+def code_verifier(**params: Any) -> Verifier:
+    """The ``code`` verifier; ``params`` are the fields of CodeVerifierConfig."""
+    return CodeVerifier(config_from_params(CodeVerifierConfig, params, "code"))

@@ -1,0 +1,72 @@
+"""Two tiny text verifiers: ``format`` (a regular expression the completion must match) and ``exact``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from rewards.registry import config_from_params, register
+from rewards.types import Score, Verifier, VerifierInput
+
+
+@dataclass
+class FormatVerifierConfig:
+    """Parameters of the ``format`` verifier."""
+
+    pattern: str = r"\\boxed\{.+\}"
+    """Regular expression searched for in the completion (Python ``re``, DOTALL); the default wants a \\boxed{}."""
+    full_match: bool = False
+    """Require the whole (stripped) completion to match, not just a part of it."""
+
+    def __post_init__(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ValueError(
+                f"format verifier params.pattern={self.pattern!r} is not a valid regex: {e}"
+            ) from e
+
+
+@register("format")
+def format_verifier(**params: Any) -> Verifier:
+    """Reward 1.0 when the completion matches ``pattern``, else 0.0 (a shaping term, weighted beside math)."""
+    cfg = config_from_params(FormatVerifierConfig, params, "format")
+    regex = re.compile(cfg.pattern, re.DOTALL)
+
+    def verify(sample: VerifierInput) -> Score:
+        text = (sample.completion or "").strip()
+        ok = bool(regex.fullmatch(text) if cfg.full_match else regex.search(text))
+        return Score(1.0 if ok else 0.0, ok, {})
+
+    return verify
+
+
+@dataclass
+class ExactVerifierConfig:
+    """Parameters of the ``exact`` verifier."""
+
+    case_sensitive: bool = True
+    """Compare case-sensitively."""
+    strip: bool = True
+    """Strip surrounding whitespace from both sides before comparing."""
+
+
+@register("exact")
+def exact_verifier(**params: Any) -> Verifier:
+    """Reward 1.0 when the completion equals ``reference`` (or one of a list of references), else 0.0."""
+    cfg = config_from_params(ExactVerifierConfig, params, "exact")
+
+    def norm(text: str) -> str:
+        text = text.strip() if cfg.strip else text
+        return text if cfg.case_sensitive else text.casefold()
+
+    def verify(sample: VerifierInput) -> Score:
+        refs = sample.reference if isinstance(sample.reference, (list, tuple)) else [sample.reference]
+        refs = [str(r) for r in refs if r is not None]
+        if not refs:
+            return Score(0.0, None, {}, error=f"exact: sample has no reference (got {sample.reference!r})")
+        ok = norm(sample.completion or "") in {norm(r) for r in refs}
+        return Score(1.0 if ok else 0.0, ok, {})
+
+    return verify
