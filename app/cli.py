@@ -88,7 +88,11 @@ def bootstrap(config: ConfigArg = None, overrides: Overrides = None,
     if target is None:
         _fail("no output directory: pass --out DIR or set model.path")
     _setup_logging()
+    import torch
+
     from app.bootstrap import bootstrap as build
+
+    torch.set_num_threads(cfg.run.threads)
 
     build(cfg.model, cfg.data, target)
     typer.echo(f"saved the warm-started tiny model to {target}")

@@ -259,7 +259,7 @@ def flatten(config: Config) -> dict[str, object]:
                 out[prefix] = node
             else:
                 for i, v in enumerate(node):
-                    walk(f"{prefix}[{i}]", v)
+                    walk(f"{prefix}.{i}", v)  # omegaconf dotlist syntax; MLflow forbids brackets
         else:
             out[prefix] = node
 

@@ -33,7 +33,7 @@ from app.rollout.embedded import EmbeddedEngine
 from app.tracking import Tracker
 from rewards import VerifierInput, check_tasks
 from rewards.runner import RewardRunner
-from trainer.advantages import group_advantages
+from trainer.advantages import group_advantages, informative_groups
 from trainer.checkpoint import save_hf_checkpoint
 from trainer.distributed import (
     LocalReducer,
@@ -164,9 +164,15 @@ def run(cfg: Config) -> dict:
         scores, reward_metrics = runner.score(inputs, tasks)
         rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(-1, r.group_size)
         advantages, adv_stats = group_advantages(rewards, scale_by_std=cfg.advantage.scale_by_std)
+        keep = list(range(len(chosen)))
+        if cfg.advantage.drop_zero_variance_groups:
+            # Zero-advantage groups carry no signal; a rank keeps one if it has nothing else, so that
+            # every rank still runs the step's collectives.
+            keep = informative_groups(rewards).nonzero().flatten().tolist() or [0]
         t_reward = time.perf_counter()
 
-        batch = build_train_batch(completions, advantages.flatten().tolist(), pad_id=tokenizer.pad_token_id,
+        kept = [completions[g * r.group_size + j] for g in keep for j in range(r.group_size)]
+        batch = build_train_batch(kept, advantages[keep].flatten().tolist(), pad_id=tokenizer.pad_token_id,
                                   temperature=r.temperature)
         step_metrics = train_step(model, optimizer, batch, cfg.objective, reducer, cfg.trainer,
                                   scheduler=scheduler)
@@ -178,7 +184,7 @@ def run(cfg: Config) -> dict:
         local = torch.tensor([
             float(rewards.sum()), float(sum(bool(s.correct) for s in scores)), float(len(scores)),
             float(sum(len(c.output_ids) for c in completions)), float(adv_stats["advantage/zero_variance_groups"]),
-            float(sum(c.finish_reason == "length" for c in completions)),
+            float(sum(c.finish_reason == "length" for c in completions)), float(len(kept)),
         ], dtype=torch.float64)
         reducer.sum_(local)
         n = local[2].item()
@@ -193,6 +199,7 @@ def run(cfg: Config) -> dict:
             "rollout/response_len/mean": local[3].item() / n,
             "rollout/truncated_frac": local[5].item() / n,
             "advantage/zero_variance_groups": local[4].item(),
+            "rollout/trained_frac": local[6].item() / n,
             **{k: v for k, v in reward_metrics.items() if k != "reward/mean"},
             **step_metrics,
             "throughput/samples_per_s": n / wall,

@@ -23,6 +23,16 @@ class AdvantageConfig:
 
     scale_by_std: bool = False
     """Divide each group's centred rewards by (its sample std + eps), as in GRPO; False only centres them."""
+    drop_zero_variance_groups: bool = True
+    """Leave groups whose rewards are all equal out of the train batch (DAPO's dynamic-sampling filter,
+    without the resampling): their advantages are 0, so they only cost compute and dilute the token mean."""
+
+
+def informative_groups(rewards: Tensor) -> Tensor:
+    """[num_groups] bool: True for groups whose rewards are not all equal (the ones with a learning signal)."""
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+    return ~(rewards == rewards[:, :1]).all(dim=1)
 
 
 def group_advantages(
@@ -53,7 +63,7 @@ def group_advantages(
         )
     num_groups, group_size = rewards.shape
 
-    zero_variance = (rewards == rewards[:, :1]).all(dim=1)  # [num_groups]; also true for group_size 1
+    zero_variance = ~informative_groups(rewards)  # [num_groups]; also true for group_size 1
     advantages = rewards - rewards.mean(dim=1, keepdim=True)
     if scale_by_std and group_size > 1:
         advantages = advantages / (rewards.std(dim=1, keepdim=True) + eps)

@@ -19,6 +19,9 @@ def save_hf_checkpoint(model, tokenizer, path: Path, *, is_main: bool = True) ->
     state_dict = full_state_dict(model)
     if not is_main:
         return path
+    if getattr(model.config, "tie_word_embeddings", False):
+        # Tied output weights are the embedding itself; save_pretrained given a state dict would write both.
+        state_dict.pop("lm_head.weight", None)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -67,3 +67,12 @@ def test_bad_inputs_raise():
 
 def test_advantage_config_default():
     assert AdvantageConfig().scale_by_std is False
+
+
+def test_informative_groups_marks_groups_with_different_rewards():
+    from trainer.advantages import informative_groups
+
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [0.5, 0.5, 0.25]])
+    assert informative_groups(rewards).tolist() == [False, True, False, True]
+    with pytest.raises(ValueError, match="num_groups"):
+        informative_groups(torch.zeros(3))
