@@ -62,13 +62,22 @@ def bootstrap(model_cfg: ModelConfig, data_cfg: DataConfig, out: Path, *, show_p
     bar.close()
     model.eval()
     save_model(model, tokenizer, out)
-    log.info("bootstrapped tiny model (%d parameters, SFT loss %.3f) at %s",
-             sum(p.numel() for p in model.parameters()), loss, out)
+    log.info(
+        "bootstrapped tiny model (%d parameters, SFT loss %.3f) at %s",
+        sum(p.numel() for p in model.parameters()),
+        loss,
+        out,
+    )
     return out
 
 
-def ensure_model(model_cfg: ModelConfig, data_cfg: DataConfig, *, is_main: bool = True,
-                 barrier: Callable[[], None] = lambda: None) -> Path:
+def ensure_model(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    *,
+    is_main: bool = True,
+    barrier: Callable[[], None] = lambda: None,
+) -> Path:
     """The model directory to train: `model.path` itself, bootstrapped first when asked and missing."""
     path = Path(model_cfg.path)
     if path.exists() or not model_cfg.bootstrap:

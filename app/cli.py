@@ -10,12 +10,19 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="RL post-training of reasoning LLMs with the ESS objective.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="RL post-training of reasoning LLMs with the ESS objective.",
+)
 
-ConfigArg = Annotated[Path | None, typer.Argument(help="YAML config file (see configs/).", show_default=False)]
-Overrides = Annotated[list[str] | None, typer.Argument(help="key=value overrides, e.g. optim.lr=3e-5",
-                                                       show_default=False)]
+ConfigArg = Annotated[
+    Path | None, typer.Argument(help="YAML config file (see configs/).", show_default=False)
+]
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="key=value overrides, e.g. optim.lr=3e-5", show_default=False)
+]
 
 
 def _fail(message: str) -> None:
@@ -39,8 +46,9 @@ def _load(config: Path | None, overrides: list[str] | None):
 
 def _setup_logging() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     for noisy in ("alembic", "mlflow", "urllib3", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -54,8 +62,10 @@ def print_config(config: ConfigArg = None, overrides: Overrides = None) -> None:
 
 
 @app.command()
-def train(config: Annotated[Path, typer.Argument(help="YAML config file (see configs/).")],
-          overrides: Overrides = None) -> None:
+def train(
+    config: Annotated[Path, typer.Argument(help="YAML config file (see configs/).")],
+    overrides: Overrides = None,
+) -> None:
     """Run RL training from a config file."""
     from app.config import ConfigError, check_trainable
     from app.data import DatasetError
@@ -79,9 +89,11 @@ def train(config: Annotated[Path, typer.Argument(help="YAML config file (see con
 
 
 @app.command()
-def bootstrap(config: ConfigArg = None, overrides: Overrides = None,
-              out: Annotated[Path | None, typer.Option(help="Where to save (default: model.path).")] = None,
-              ) -> None:
+def bootstrap(
+    config: ConfigArg = None,
+    overrides: Overrides = None,
+    out: Annotated[Path | None, typer.Option(help="Where to save (default: model.path).")] = None,
+) -> None:
     """Build the tiny offline model + tokenizer and warm-start it with supervised fine-tuning."""
     cfg = _load(config, overrides)
     target = out or (Path(cfg.model.path) if cfg.model.path else None)

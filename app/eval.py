@@ -15,7 +15,7 @@ import torch
 
 from app.data import PromptRow
 from app.rollout.base import RolloutEngine, SamplingParams
-from rewards import VerifierInput
+from app.scoring import score_texts
 from rewards.runner import RewardRunner
 from trainer.distributed import Reducer
 
@@ -68,21 +68,12 @@ def evaluate(
     correct = torch.zeros(len(rows), dtype=torch.float64)
     if mine:
         completions = asyncio.run(engine.generate([prompt_ids[i] for i in mine], params))
-        inputs, tasks = [], []
-        for j, c in enumerate(completions):
-            row = rows[mine[j // params.n]]
-            inputs.append(
-                VerifierInput(
-                    prompt=row.prompt or "",
-                    completion=decode(c.output_ids),
-                    reference=row.answer if row.answer is not None else row.tests,
-                    metadata={**row.metadata, "task": row.task},
-                )
-            )
-            tasks.append(row.task)
-        scores, _ = runner.score(inputs, tasks)
-        for j, score in enumerate(scores):
-            correct[mine[j // params.n]] += float(bool(score.correct))
+        owners = [mine[j // params.n] for j in range(len(completions))]
+        scores, _ = score_texts(
+            runner, [rows[i] for i in owners], [decode(c.output_ids) for c in completions]
+        )
+        for i, score in zip(owners, scores, strict=True):
+            correct[i] += float(bool(score.correct))
     reducer.sum_(correct)
     per_prompt = (correct / params.n).tolist()
     return EvalResult(per_prompt=per_prompt, samples=len(rows) * params.n)

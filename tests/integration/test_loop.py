@@ -10,18 +10,28 @@ from transformers import AutoModelForCausalLM
 from app.config import load_config
 from app.loop import run
 
-from .conftest import REPO
+from .conftest import REPO, TINY_DATA
 
 pytestmark = pytest.mark.slow
 
 
 def small_config(tmp_path, model_dir, *extra):
-    return load_config(REPO / "configs" / "quickstart.yaml", [
-        f"run.dir={tmp_path / 'run'}", "run.steps=3", f"model.path={model_dir}", "data.num_train=300",
-        "data.num_eval=40", "eval.num_prompts=24", "eval.samples_per_prompt=2", "eval.every=2",
-        "rollout.prompts_per_step=4", "rollout.group_size=4", "trainer.micro_batch_size=8", "optim.lr=1e-3",
-        *extra,
-    ])
+    return load_config(
+        REPO / "configs" / "quickstart.yaml",
+        [
+            *TINY_DATA,
+            f"run.dir={tmp_path / 'run'}",
+            "run.steps=3",
+            f"model.path={model_dir}",
+            "eval.samples_per_prompt=2",
+            "eval.every=2",
+            "rollout.prompts_per_step=8",
+            "rollout.group_size=4",
+            "trainer.micro_batch_size=8",
+            "optim.lr=1e-3",
+            *extra,
+        ],
+    )
 
 
 def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
@@ -30,8 +40,17 @@ def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
     run_dir = tmp_path / "run"
 
     on_disk = json.loads((run_dir / "summary.json").read_text())
-    for key in ("initial_accuracy", "final_accuracy", "eval_samples", "initial_greedy_accuracy",
-                "final_greedy_accuracy", "steps", "samples_per_s", "wall_s", "mlflow_run_id"):
+    for key in (
+        "initial_accuracy",
+        "final_accuracy",
+        "eval_samples",
+        "initial_greedy_accuracy",
+        "final_greedy_accuracy",
+        "steps",
+        "samples_per_s",
+        "wall_s",
+        "mlflow_run_id",
+    ):
         assert key in on_disk, key
     assert on_disk == json.loads(json.dumps(summary))
     assert on_disk["steps"] == 3 and on_disk["eval_samples"] == 24 * 2

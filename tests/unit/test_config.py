@@ -22,7 +22,9 @@ def test_base_yaml_equals_print_config_output():
 
 
 def test_overrides_take_precedence_over_the_file():
-    cfg = load_config(CONFIGS / "quickstart.yaml", ["optim.lr=1e-4", "run.steps=3", "objective.name=ppo_clip"])
+    cfg = load_config(
+        CONFIGS / "quickstart.yaml", ["optim.lr=1e-4", "run.steps=3", "objective.name=ppo_clip"]
+    )
     assert cfg.optim.lr == pytest.approx(1e-4)
     assert cfg.run.steps == 3
     assert cfg.objective.name == "ppo_clip"

@@ -153,3 +153,38 @@ def test_bad_params_fail_at_build_time():
         build_verifier("math", extraction=["boxd"])
     with pytest.raises(ValueError, match="unknown parameter"):
         build_verifier("math", timeout=3)
+
+
+@pytest.mark.parametrize(
+    ("answer", "gold"),
+    [("7", "7"), ("07", "7"), ("-0", "0"), ("+5", "5"), ("-12", "-12"), ("12", "-12"), ("10", "1"),
+     ("123456789012345678901234567890", "123456789012345678901234567890"), ("100", "1000")],
+)
+def test_integer_fast_path_agrees_with_math_verify(verify, answer, gold):
+    """Integer-vs-integer answers skip math-verify; the verdict must be the one math-verify gives."""
+    import math_verify
+
+    expected = math_verify.verify(math_verify.parse(f"${gold}$"), math_verify.parse(f"${answer}$"))
+    assert verify(VerifierInput("", answer, gold, {})).correct is bool(expected)
+
+
+@pytest.mark.parametrize(
+    ("completion", "gold", "default", "numeric"),
+    [
+        ("2+7", "9", True, False),  # the question echoed back: equal symbolically, not an answer
+        ("3*3", "9", True, False),
+        ("9", "9", True, True),
+        ("-4", "-4", True, True),
+        ("0.5", "1/2", True, True),
+        ("1/2", "0.5", True, True),
+        ("\\frac{1}{2}", "0.5", True, True),
+        ("\\boxed{9}", "9", True, True),
+        ("x", "9", False, False),
+    ],
+)
+def test_numeric_answer_rejects_expressions(completion, gold, default, numeric):
+    plain = build_verifier("math")
+    strict = build_verifier("math", numeric_answer=True)
+    assert plain(VerifierInput("", completion, gold, {})).correct is default
+    score = strict(VerifierInput("", completion, gold, {}))
+    assert score.correct is numeric and score.reward == float(numeric)

@@ -1,0 +1,23 @@
+"""Score completions of dataset rows with the reward runner (the glue between rows and verifiers)."""
+
+from __future__ import annotations
+
+from app.data import PromptRow
+from rewards import Score, VerifierInput
+from rewards.runner import RewardRunner
+
+
+def score_texts(runner: RewardRunner, rows: list[PromptRow], texts: list[str]) -> tuple[list[Score], dict]:
+    """Score `texts[i]` as a completion of `rows[i]`; each row's task picks its verifiers."""
+    inputs = [
+        VerifierInput(
+            prompt=row.prompt
+            if row.prompt is not None
+            else "\n".join(m["content"] for m in row.messages or []),
+            completion=text,
+            reference=row.answer if row.answer is not None else row.tests,
+            metadata={**row.metadata, "task": row.task, "id": row.id},
+        )
+        for row, text in zip(rows, texts, strict=True)
+    ]
+    return runner.score(inputs, [row.task for row in rows])
