@@ -17,18 +17,17 @@ import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-    PreTrainedTokenizerFast,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+
+if TYPE_CHECKING:  # importing transformers takes ~10 s here: only the functions that need it pay for it
+    from transformers import (
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+        Qwen2ForCausalLM,
+    )
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -69,6 +68,9 @@ def build_tiny_tokenizer() -> PreTrainedTokenizerFast:
     `<|endoftext|>` (id 256) is both eos and pad; `<|im_start|>` / `<|im_end|>` delimit ChatML
     turns. Saved with `save_model`, it re-loads through `AutoTokenizer` (as Qwen2Tokenizer) with identical ids.
     """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {symbol: byte for byte, symbol in _bytes_to_unicode().items()}
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
@@ -147,6 +149,8 @@ def build_tiny_model(cfg: TinyModelConfig, tokenizer: PreTrainedTokenizerBase) -
     config it was 5-10% faster than eager for both training (32 x 48 tokens, left-padded, forward+backward) and
     sampling (64 prompts x 8 new tokens), and its logits matched eager to 4e-7.
     """
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
     eos_id = tokenizer.eos_token_id
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     config = Qwen2Config(
@@ -188,6 +192,8 @@ def load_model(
     `dtype` is one of float32 | bfloat16 | float16. The tokenizer always has a pad token (falls back to eos).
     Nothing here relies on `model.generation_config`: callers pass sampling arguments explicitly.
     """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     if dtype not in _DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; use one of {sorted(_DTYPES)}")
     local = Path(path_or_id).expanduser()
