@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
 from rewards import RewardsConfig
+from sandbox import SandboxConfig
 from trainer.advantages import AdvantageConfig
 from trainer.model import TinyModelConfig
 from trainer.objective import ObjectiveConfig
@@ -164,6 +165,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """Where code verifiers run model-written programs (applied to every code verifier without its own)."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

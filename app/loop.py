@@ -31,7 +31,7 @@ from app.plots import plot_run
 from app.rollout.base import Completion, RolloutEngine, SamplingParams, WeightSource
 from app.rollout.batching import build_train_batch
 from app.rollout.embedded import EmbeddedEngine
-from app.scoring import score_texts
+from app.scoring import rewards_with_sandbox, score_texts
 from app.tracking import Tracker
 from rewards import Score, check_tasks
 from rewards.runner import RewardRunner
@@ -143,7 +143,7 @@ def setup(cfg: Config) -> Parts:
         engine=engine,
         optimizer=optimizer,
         scheduler=scheduler,
-        runner=RewardRunner(cfg.rewards),
+        runner=RewardRunner(rewards_with_sandbox(cfg.rewards, cfg.sandbox)),
         tracker=tracker,
         train=prompts(train_rows),
         eval=prompts(eval_rows),

@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict, replace
+
 from app.data import PromptRow
-from rewards import Score, VerifierInput
+from rewards import RewardsConfig, Score, VerifierInput
 from rewards.runner import RewardRunner
+from sandbox import SandboxConfig
+
+
+def rewards_with_sandbox(rewards: RewardsConfig, sandbox: SandboxConfig) -> RewardsConfig:
+    """The run's `sandbox` section handed to every code verifier that does not set `params.sandbox` itself
+    (reward workers are separate processes: each applies it with `sandbox.configure`)."""
+    verifiers = [
+        replace(spec, params={**spec.params, "sandbox": asdict(sandbox)})
+        if spec.name == "code" and "sandbox" not in spec.params
+        else spec
+        for spec in rewards.verifiers
+    ]
+    return replace(rewards, verifiers=verifiers)
 
 
 def score_texts(runner: RewardRunner, rows: list[PromptRow], texts: list[str]) -> tuple[list[Score], dict]:

@@ -77,3 +77,22 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def test_sandbox_section_reaches_code_verifiers_without_their_own():
+    from app.scoring import rewards_with_sandbox
+
+    cfg = load_config(None, [
+        "rewards.verifiers=[{name: code, tasks: [code]}, {name: code, label: code2, tasks: [code2], params: {sandbox: {}}},"
+        " {name: math, tasks: [math]}]",
+        "sandbox.backend=bwrap",
+    ])
+    specs = rewards_with_sandbox(cfg.rewards, cfg.sandbox).verifiers
+    assert specs[0].params["sandbox"]["backend"] == "bwrap"
+    assert specs[1].params["sandbox"] == {}  # its own setting wins
+    assert "sandbox" not in specs[2].params
+
+
+def test_unsandboxed_code_needs_explicit_consent():
+    with pytest.raises(ConfigError, match="allow_unsandboxed"):
+        load_config(None, ["sandbox.backend=none"])
