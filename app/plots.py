@@ -13,7 +13,12 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
 
     steps = [h["step"] for h in history]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].plot(steps, [h["reward/mean"] for h in history], lw=1, label="train reward (mean)")
+    rewards = [h["reward/mean"] for h in history]
+    axes[0].plot(steps, rewards, lw=0.6, alpha=0.4, label="train reward (step mean)")
+    window = max(1, len(rewards) // 30)
+    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+              for i in range(len(rewards))]
+    axes[0].plot(steps, smooth, lw=1.5, label=f"moving average ({window} steps)")
     axes[0].set_title("reward")
     axes[0].set_xlabel("step")
     axes[0].legend()
@@ -28,8 +33,10 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
     axes[1].set_xlabel("step")
     axes[1].legend()
 
-    axes[2].plot(steps, [h["loss/ess"] for h in history], lw=1, label="ESS")
-    axes[2].set_ylim(0, 1.05)
+    ess = [h["loss/ess"] for h in history]
+    axes[2].plot(steps, ess, lw=1, label="ESS")
+    low = min(ess, default=1.0)
+    axes[2].set_ylim(max(0.0, low - 0.1 * (1.0 - low) - 1e-3), 1.0 + 1e-3)  # 1.0 on-policy: show the small dips
     axes[2].set_title("normalised effective sample size")
     axes[2].set_xlabel("step")
     axes[2].legend()
