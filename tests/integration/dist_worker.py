@@ -15,8 +15,9 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
-from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import Qwen2ForCausalLM  # noqa: E402
 
+from tests.helpers import random_qwen2  # noqa: E402
 from trainer.logprobs import token_logprobs  # noqa: E402
 from trainer.objective import ObjectiveConfig  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer  # noqa: E402
@@ -55,20 +56,7 @@ STEPS = 2
 
 def build_model(seed: int = 0) -> Qwen2ForCausalLM:
     """A tiny random float32 Qwen2 (vocab 64, hidden 32, 2 layers), identical for the same seed."""
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
-    return model.eval()
+    return random_qwen2(seed, vocab_size=VOCAB, tie_word_embeddings=False)
 
 
 def build_batch(

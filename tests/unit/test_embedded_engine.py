@@ -10,27 +10,16 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from app.rollout.base import RolloutEngine, SamplingParams, WeightSource
 from app.rollout.embedded import EmbeddedEngine
+from tests.helpers import random_qwen2
 
 VOCAB, EOS, PAD = 64, 1, 0
 PROMPTS = [[5, 9, 13], [7, 3, 22, 41, 8, 17, 30], [2, 60, 11, 45, 33, 19, 4, 27, 50, 12, 6, 38]]
 
 
 def tiny_model(seed: int = 0, max_positions: int = 64) -> Qwen2ForCausalLM:
-    torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-        initializer_range=0.3,  # peaked distributions: greedy has clear winners, sampling is not uniform
-        tie_word_embeddings=True,
-        eos_token_id=EOS,
-        pad_token_id=PAD,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    # initializer_range 0.3: peaked distributions, so greedy has clear winners and sampling is not uniform.
+    return random_qwen2(seed, vocab_size=VOCAB, max_position_embeddings=max_positions, initializer_range=0.3,
+                        tie_word_embeddings=True, eos_token_id=EOS, pad_token_id=PAD)
 
 
 @pytest.fixture(scope="module")

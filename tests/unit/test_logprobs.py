@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tests.helpers import random_qwen2
 from trainer.logprobs import token_logprobs
 
 VOCAB = 64
@@ -11,17 +11,7 @@ VOCAB = 64
 
 @pytest.fixture(scope="module")
 def model():
-    config = Qwen2Config(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).eval()
+    return random_qwen2(0, vocab_size=VOCAB)
 
 
 def _sequences(seed: int = 1) -> list[torch.Tensor]:

@@ -1,0 +1,20 @@
+"""Shared test builders (real models, built in code; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+
+def random_qwen2(seed: int = 0, *, vocab_size: int = 64, **config) -> Qwen2ForCausalLM:
+    """A tiny random float32 Qwen2 (hidden 32, 2 layers, 4/2 heads), identical for the same seed and config.
+
+    Keyword arguments override Qwen2Config fields. The caller's global RNG is left untouched.
+    """
+    config = Qwen2Config(**{
+        "vocab_size": vocab_size, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, **config,
+    })
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config).eval()
