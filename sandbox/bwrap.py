@@ -18,7 +18,6 @@ down) and then every process still running as the slot's uid, and waits until no
 from __future__ import annotations
 
 import fcntl
-import math
 import os
 import shutil
 import signal
@@ -28,7 +27,7 @@ import threading
 import time
 
 from sandbox.executor import ExecutionResult, Limits, SandboxConfig, SandboxError, SandboxUnavailable
-from sandbox.process import ENV, communicate, kill_group, memory_error_in, prlimit_argv, wait_status
+from sandbox.process import ENV, communicate, kill_group, prlimit_argv, process_result, wait_status
 
 SLOTS = 64
 CODE_PATH = "/sandbox/main.py"
@@ -188,16 +187,15 @@ class BwrapBackend:
             os.close(lock_fd)
         # bwrap exits with the program's status, or 128 + N when a signal N killed it.
         exit_code = -(returncode - 128) if 128 < returncode < 128 + 65 else returncode
-        cpu_killed = exit_code in (-signal.SIGKILL, -signal.SIGXCPU) and cpu >= math.ceil(limits.cpu_s) - 0.05
-        stderr = err.text()
-        return ExecutionResult(
-            stdout=out.text(),
-            stderr=stderr,
-            exit_code=None if timed_out else exit_code,
-            timed_out=timed_out or cpu_killed,
-            memory_exceeded=memory_error_in(stderr),
-            output_truncated=truncated,
-            wall_s=time.monotonic() - start,
+        return process_result(
+            out,
+            err,
+            exit_code,
+            cpu,
+            timed_out=timed_out,
+            truncated=truncated,
+            start=start,
+            limits=limits,
             backend=self.name,
         )
 

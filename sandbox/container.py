@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from sandbox.executor import ExecutionResult, Limits, SandboxConfig, SandboxError, SandboxUnavailable
-from sandbox.process import CappedBuffer, memory_error_in
+from sandbox.process import CappedBuffer, killed_by_cpu_limit, memory_error_in
 
 SUPERVISOR = (Path(__file__).parent / "_supervisor.py").read_text()
 LABEL = "trustbatch.sandbox"
@@ -284,8 +284,7 @@ class DockerBackend:
             memory = memory_error_in(stderr_text)
         else:
             exit_code = status["exit_code"]
-            cpu_killed = exit_code in (-9, -24) and status["cpu_s"] >= math.ceil(limits.cpu_s) - 0.05
-            timed_out = status["timed_out"] or cpu_killed
+            timed_out = status["timed_out"] or killed_by_cpu_limit(exit_code, status["cpu_s"], limits)
             truncated = truncated or status["truncated"]
             memory = status["oom_kills"] > 0 or memory_error_in(stderr_text)
         return ExecutionResult(

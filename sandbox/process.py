@@ -24,6 +24,37 @@ ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 _MEMORY_ERROR = re.compile(r"^MemoryError\b", re.M)
 
 
+def killed_by_cpu_limit(exit_code: int | None, cpu_s: float, limits: Limits) -> bool:
+    """SIGKILL or SIGXCPU after using up RLIMIT_CPU (soft = hard limit, so the kernel sends SIGKILL)."""
+    return exit_code in (-signal.SIGKILL, -signal.SIGXCPU) and cpu_s >= math.ceil(limits.cpu_s) - 0.05
+
+
+def process_result(
+    out: CappedBuffer,
+    err: CappedBuffer,
+    exit_code: int,
+    cpu_s: float,
+    *,
+    timed_out: bool,
+    truncated: bool,
+    start: float,
+    limits: Limits,
+    backend: str,
+) -> ExecutionResult:
+    """The ExecutionResult of a program run as a host process (the bwrap and unsandboxed backends)."""
+    stderr = err.text()
+    return ExecutionResult(
+        stdout=out.text(),
+        stderr=stderr,
+        exit_code=None if timed_out else exit_code,
+        timed_out=timed_out or killed_by_cpu_limit(exit_code, cpu_s, limits),
+        memory_exceeded=memory_error_in(stderr),
+        output_truncated=truncated,
+        wall_s=time.monotonic() - start,
+        backend=backend,
+    )
+
+
 def memory_error_in(stderr: str) -> bool:
     """A Python MemoryError traceback ended the program (RLIMIT_AS makes allocations fail with one)."""
     return bool(_MEMORY_ERROR.search(stderr[-4096:]))
@@ -176,15 +207,14 @@ class UnsandboxedBackend:
                 )
                 kill_group(proc)  # also whatever the program left in its process group
                 code_, cpu = wait_status(proc)
-        cpu_killed = code_ in (-9, -24) and cpu >= math.ceil(limits.cpu_s) - 0.05
-        stderr = err.text()
-        return ExecutionResult(
-            stdout=out.text(),
-            stderr=stderr,
-            exit_code=None if timed_out else code_,
-            timed_out=timed_out or cpu_killed,
-            memory_exceeded=memory_error_in(stderr),
-            output_truncated=truncated,
-            wall_s=time.monotonic() - start,
+        return process_result(
+            out,
+            err,
+            code_,
+            cpu,
+            timed_out=timed_out,
+            truncated=truncated,
+            start=start,
+            limits=limits,
             backend=self.name,
         )
