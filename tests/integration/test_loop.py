@@ -86,3 +86,20 @@ def test_loop_is_reproducible_with_fixed_seeds(tmp_path, tiny_model_dir):
     wa = AutoModelForCausalLM.from_pretrained(a["checkpoint_dir"]).state_dict()
     wb = AutoModelForCausalLM.from_pretrained(b["checkpoint_dir"]).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_loop_trains_on_a_user_jsonl_file_with_prompts_and_chat_messages(tmp_path, tiny_model_dir):
+    rows = []
+    for i, (a, b) in enumerate([(a, b) for a in range(1, 7) for b in range(1, 4)]):
+        if i % 2:
+            rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        else:  # chat rows go through the tokenizer's chat template
+            rows.append({"messages": [{"role": "user", "content": f"{a}*{b}="}], "answer": a * b, "task": "math"})
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = small_config(tmp_path, tiny_model_dir, f"data.train={data}", f"data.eval={data}", "run.steps=2",
+                       "eval.num_prompts=10", "eval.greedy=false")
+    summary = run(cfg)
+    assert summary["steps"] == 2 and summary["eval_prompts"] == 10
+    assert summary["eval_samples"] == 10 * 2
+    assert (tmp_path / "run" / "checkpoints" / "final" / "config.json").is_file()
