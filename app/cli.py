@@ -110,6 +110,26 @@ def bootstrap(
     typer.echo(f"saved the warm-started tiny model to {target}")
 
 
+@app.command("rollout-server")
+def rollout_server(
+    model: Annotated[Path, typer.Option(help="HF model directory (safetensors + config + tokenizer).")],
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 30000,
+    max_batch_size: Annotated[int, typer.Option(help="Most sequences per forward batch.")] = 256,
+    batch_window_ms: Annotated[
+        float, typer.Option(help="How long a first request waits for others to join its batch.")
+    ] = 5.0,
+) -> None:
+    """Serve a model on CPU behind SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
+    _setup_logging()
+    from app.rollout.local_server import serve
+
+    try:
+        serve(model, host, port, max_batch_size=max_batch_size, batch_window_ms=batch_window_ms)
+    except ValueError as exc:
+        _fail(str(exc))
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,483 @@
+"""SGLangClient: the RolloutEngine that drives one or more SGLang servers over their native HTTP API.
+
+The same client talks to a real SGLang server (GPU, or CPU for tests) and to trustbatch's built-in CPU server,
+which speaks the same subset of the API (../shared/reference/sglang-api.md; shapes as seen live on 0.5.23).
+
+What it sends (token ids in, token ids out; no text):
+- ``POST /generate {"input_ids": [[...], ...], "sampling_params": {max_new_tokens, temperature, top_p, n,
+  stop_token_ids[, sampling_seed]}, "return_logprob": true}``, one request per ``batch_size`` prompts.
+  SGLang rejects unknown ``sampling_params`` keys with 400, so only those keys are ever sent. EOS needs no
+  entry: SGLang stops on it unless ``ignore_eos``.
+- ``POST /update_weights_from_disk {"model_path", "weight_version"}`` to every server at once.
+- ``GET /health``, ``GET /model_info``, ``POST /flush_cache``, ``POST /pause_generation {"mode"}``,
+  ``POST /continue_generation``.
+
+How it reads a ``/generate`` answer: a flat, prompt-major list of ``len(prompts) * n`` items
+(``[p0s0, p0s1, p1s0, p1s1]``), each ``{"output_ids", "meta_info": {"output_token_logprobs": [[logprob, token_id,
+text|null], ...], "finish_reason": {"type": "stop"|"length"|"abort", ...}, "weight_version": str,
+"weight_versions": [{"version", "start", "end"}]}}``. Every item is checked (count, one logprob per output id,
+the logprob's token id equal to the output id, a known finish reason); a mismatch raises
+``RolloutResponseError`` naming the server and the request, because training on misaligned behaviour logprobs
+would be silently wrong.
+
+Weight versions. SGLang's ``weight_version`` is a string; trustbatch's ``policy_version`` an int. The client
+pushes ``str(version)``, so every version it set comes back numeric and maps by ``int()``. A label it did not
+set (SGLang's default ``"default"``, a ``--weight-version v0`` given at launch) means weights loaded before the
+client's first push: it maps to the client's ``policy_version`` at the moment the label is first seen (the
+constructor's ``policy_version``, 0 by default) and keeps that value for the life of the client. A completion
+whose tokens were produced by several versions (``weight_versions`` spans, an update landing mid-generation)
+gets the *oldest* of them as ``policy_version``, so a staleness bound on it is never too lenient; the spans
+themselves are in ``Completion.meta["weight_versions"]`` (versions as ints).
+
+Failures. Connection errors, timeouts (``timeout_s`` bounds each request as a whole) and 5xx answers are
+retried up to ``max_retries`` times with exponential back-off and jitter (so is 429, "busy"); a ``/generate`` request moves to the
+next server on each retry, a per-server call (weight update, cache flush) retries the same server. When the
+retries run out: ``RolloutServerError`` naming the URL(s) and the last error. A 4xx is the client's fault and
+is never retried: ``RolloutRequestError`` carrying the server's message. Concurrency is bounded per server
+(``max_concurrency`` requests in flight each); requests go round-robin over the servers, continuing across
+calls.
+
+Not covered here: starting servers (``connect`` only attaches to running ones and waits for their health),
+streaming, and ``/update_weights_from_distributed`` (the NCCL/gloo path), which needs a process group on the
+trainer side and is not an HTTP-only operation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from app.rollout.base import Completion, SamplingParams, WeightSource
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+_MAX_BACKOFF_S = 30.0
+"""Cap of one back-off sleep, whatever the attempt number."""
+_HEALTH_PROBE_TIMEOUT_S = 10.0
+"""Time limit of one GET /health probe; SGLang answers it at once unless it runs a health generation."""
+
+
+class SGLangError(RuntimeError):
+    """Base of the errors this client raises."""
+
+
+class RolloutServerError(SGLangError):
+    """A server could not be reached, timed out, answered 5xx past every retry, or never became healthy."""
+
+
+class RolloutRequestError(SGLangError):
+    """A server rejected a request (HTTP 4xx, or ``success: false``); retrying would not help."""
+
+
+class RolloutResponseError(SGLangError):
+    """A server answered 2xx with a body that does not fit SGLang's documented shape."""
+
+
+@dataclass
+class SGLangClientConfig:
+    """How trustbatch reaches SGLang servers (config section ``rollout.sglang``)."""
+
+    urls: list[str] = field(default_factory=list)
+    """Base URLs of running SGLang servers (or of one sglang-router), e.g. ``http://127.0.0.1:30000``.
+    Several URLs: requests go round-robin over them."""
+    timeout_s: float = 600.0
+    """Time limit of one HTTP request, start to end (a /generate of batch_size prompts, a weight update,
+    which SGLang holds until the in-flight requests finish). A server that hangs is detected after this."""
+    connect_timeout_s: float = 10.0
+    """Time limit of opening a TCP connection to a server."""
+    max_concurrency: int = 4
+    """Requests in flight per server; SGLang batches concurrent requests together."""
+    max_retries: int = 3
+    """Retries of a request after a connection error, a timeout or a 5xx (0 = try once). A /generate
+    request moves to the next server on each retry."""
+    backoff_s: float = 1.0
+    """Back-off before retry k: backoff_s * 2**(k-1), times a random factor in [0.5, 1.5), at most 30 s."""
+    health_timeout_s: float = 600.0
+    """How long `connect` waits for every server to answer GET /health with 200 (model loading and warm-up
+    of a large model take minutes)."""
+    batch_size: int = 32
+    """Prompts per /generate request; each request carries batch_size * n sequences."""
+
+    def __post_init__(self) -> None:
+        for i, url in enumerate(self.urls):
+            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+                raise ValueError(
+                    f"rollout.sglang.urls[{i}] must be an http:// or https:// URL, got {url!r} "
+                    "(e.g. http://127.0.0.1:30000)"
+                )
+        for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"rollout.sglang.{name} must be > 0 seconds, got {getattr(self, name)}")
+        if self.max_concurrency < 1:
+            raise ValueError(f"rollout.sglang.max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.max_retries < 0:
+            raise ValueError(f"rollout.sglang.max_retries must be >= 0 (0 = no retry), got {self.max_retries}")
+        if self.backoff_s < 0:
+            raise ValueError(f"rollout.sglang.backoff_s must be >= 0, got {self.backoff_s}")
+        if self.batch_size < 1:
+            raise ValueError(f"rollout.sglang.batch_size must be >= 1, got {self.batch_size}")
+
+
+class SGLangClient:
+    """A RolloutEngine over the native HTTP API of one or more SGLang servers.
+
+    Use it as an async context manager, or call ``close()``; build it inside the event loop that uses it.
+
+    Args:
+        cfg: servers, time limits, concurrency, retries, batching.
+        policy_version: version of the weights the servers hold now, reported for weight labels this client
+            did not set (see the module docstring).
+    """
+
+    def __init__(self, cfg: SGLangClientConfig, *, policy_version: int = 0) -> None:
+        if not cfg.urls:
+            raise ValueError(
+                "rollout.sglang.urls is empty: give the URL(s) of running SGLang servers, "
+                "e.g. rollout.sglang.urls=[http://127.0.0.1:30000]"
+            )
+        self.cfg = cfg
+        self.urls = [url.rstrip("/") for url in cfg.urls]
+        self.policy_version = int(policy_version)
+        self._labels: dict[str, int] = {}
+        self._next_server = 0
+        self._slots = {url: asyncio.Semaphore(cfg.max_concurrency) for url in self.urls}
+        self._rng = random.Random()
+        connections = len(self.urls) * (cfg.max_concurrency + 4)  # + room for health/admin calls
+        # trust_env=False: an http_proxy in the environment must not capture in-cluster or loopback servers.
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            trust_env=False,
+        )
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # ---------------------------------------------------------------- generation
+
+    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """Sample ``params.n`` completions of every prompt; prompt-major (p0s0, p0s1, ..., p1s0, ...)."""
+        if not prompts:
+            return []
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty; SGLang needs at least one input token")
+        size = self.cfg.batch_size
+        chunks = [prompts[start : start + size] for start in range(0, len(prompts), size)]
+        first = self._next_server
+        self._next_server = (first + len(chunks)) % len(self.urls)
+        tasks = [
+            asyncio.ensure_future(
+                self._generate_chunk(chunk, params, index=i, num_chunks=len(chunks), start=i * size,
+                                     first_server=(first + i) % len(self.urls))
+            )
+            for i, chunk in enumerate(chunks)
+        ]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            # One request failed for good: stop the others instead of letting them run on unobserved.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return [completion for chunk_completions in results for completion in chunk_completions]
+
+    async def _generate_chunk(
+        self, chunk: list[list[int]], params: SamplingParams, *, index: int, num_chunks: int, start: int,
+        first_server: int,
+    ) -> list[Completion]:
+        sampling: dict[str, Any] = {
+            "max_new_tokens": params.max_new_tokens,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "n": params.n,
+            "stop_token_ids": list(params.stop_token_ids),
+        }
+        if params.seed is not None:
+            # One seed per request, so that splitting a call into requests does not repeat the same draws.
+            sampling["sampling_seed"] = params.seed + index
+        body = {"input_ids": [list(p) for p in chunk], "sampling_params": sampling, "return_logprob": True}
+        what = f"/generate request {index + 1}/{num_chunks} (prompts {start}..{start + len(chunk) - 1})"
+        url, payload = await self._call(
+            "POST", "/generate", body, what=what, servers=self._rotation(first_server), limit=True
+        )
+        return self._parse_generate(payload, chunk, params.n, url=url, what=what)
+
+    def _parse_generate(
+        self, payload: Any, chunk: list[list[int]], n: int, *, url: str, what: str
+    ) -> list[Completion]:
+        def bad(message: str) -> RolloutResponseError:
+            return RolloutResponseError(f"{url}: malformed answer to {what}: {message}")
+
+        items = [payload] if isinstance(payload, dict) else payload
+        if not isinstance(items, list) or len(items) != len(chunk) * n:
+            got = f"{len(items)} items" if isinstance(items, list) else type(payload).__name__
+            raise bad(f"expected a list of {len(chunk)} prompts x n={n} = {len(chunk) * n} items, got {got}")
+        completions = []
+        for k, item in enumerate(items):
+            prompt_index, sample = divmod(k, n)
+            where = f"item {k} (prompt {prompt_index}, sample {sample})"
+            meta = item.get("meta_info") if isinstance(item, dict) else None
+            if not isinstance(meta, dict):
+                raise bad(f"{where} has no meta_info object")
+            triples = meta.get("output_token_logprobs")
+            if not isinstance(triples, list):
+                raise bad(f"{where} has no meta_info.output_token_logprobs (was return_logprob honoured?)")
+            output_ids = item.get("output_ids")
+            if output_ids is None:  # servers with a tokenizer may answer text; the ids are in the triples
+                output_ids = [t[1] for t in triples if isinstance(t, list) and len(t) >= 2]
+            if not isinstance(output_ids, list) or len(output_ids) != len(triples):
+                raise bad(
+                    f"{where} has {len(output_ids) if isinstance(output_ids, list) else output_ids!r} "
+                    f"output_ids but {len(triples)} output_token_logprobs"
+                )
+            logprobs = []
+            for j, (token, triple) in enumerate(zip(output_ids, triples, strict=True)):
+                if not (isinstance(triple, list) and len(triple) >= 2 and isinstance(triple[0], (int, float))
+                        and not isinstance(triple[0], bool)):
+                    raise bad(f"{where} output_token_logprobs[{j}] = {triple!r} is not [logprob, token_id, text]")
+                if triple[1] != token:
+                    raise bad(f"{where} output_token_logprobs[{j}] is for token {triple[1]}, output_ids has {token}")
+                logprobs.append(float(triple[0]))
+            reason = meta.get("finish_reason")
+            kind = reason.get("type") if isinstance(reason, dict) else reason
+            if kind not in _FINISH_REASONS:
+                raise bad(f"{where} has finish_reason {reason!r}; expected type stop, length or abort")
+            extra: dict[str, Any] = {"server": url, "weight_version": meta.get("weight_version")}
+            version = self._version_of(meta.get("weight_version"))
+            spans = meta.get("weight_versions")
+            if isinstance(spans, list) and spans:
+                extra["weight_versions"] = [
+                    {"version": self._version_of(s.get("version")), "start": s.get("start"), "end": s.get("end")}
+                    for s in spans if isinstance(s, dict)
+                ]
+                if extra["weight_versions"]:
+                    version = min(s["version"] for s in extra["weight_versions"])
+            if kind == "abort" and isinstance(reason, dict) and reason.get("message"):
+                extra["abort_message"] = reason["message"]
+            completions.append(Completion(
+                prompt_ids=list(chunk[prompt_index]),
+                output_ids=[int(t) for t in output_ids],
+                output_logprobs=logprobs,
+                finish_reason=_FINISH_REASONS[kind],
+                policy_version=version,
+                meta=extra,
+            ))
+        return completions
+
+    def _version_of(self, label: Any) -> int:
+        """SGLang weight_version label -> policy version (module docstring: numeric, else first-seen)."""
+        if label is None:
+            return self.policy_version
+        label = str(label)
+        try:
+            return int(label)
+        except ValueError:
+            return self._labels.setdefault(label, self.policy_version)
+
+    # ---------------------------------------------------------------- weights
+
+    async def update_weights(self, source: WeightSource, version: int) -> None:
+        """Load new weights on every server (concurrently) and tag them ``str(version)``."""
+        if source.path is None:
+            raise ValueError(
+                "SGLangClient cannot send an in-memory state_dict over HTTP: save the weights as a Hugging "
+                "Face directory (safetensors + config) and pass WeightSource(path=...); the NCCL/gloo "
+                "distributed path (/update_weights_from_distributed) is not implemented yet"
+            )
+        body = {"model_path": str(source.path), "weight_version": str(int(version))}
+        await asyncio.gather(*(self._update_one(url, body) for url in self.urls))
+        self.policy_version = int(version)
+
+    async def _update_one(self, url: str, body: dict) -> None:
+        what = f"/update_weights_from_disk (model_path={body['model_path']}, weight_version={body['weight_version']})"
+        try:
+            _, answer = await self._call("POST", "/update_weights_from_disk", body, what=what, servers=[url])
+        except RolloutRequestError as exc:
+            # SGLang 0.5.23 may answer 400 "Weights were updated, but the cache was not flushed" although the
+            # weights and version were applied: flush, and the update is complete.
+            if "cache was not flushed" not in str(exc):
+                raise
+            await self._call("POST", "/flush_cache", None, what="/flush_cache after a weight update", servers=[url])
+            return
+        if not (isinstance(answer, dict) and answer.get("success") is True):
+            message = answer.get("message") if isinstance(answer, dict) else answer
+            raise RolloutRequestError(f"{url}: {what} was not applied: {message!r}")
+
+    # ---------------------------------------------------------------- health and admin
+
+    async def health(self) -> bool:
+        """True when every server answers GET /health with 200."""
+        probes = await asyncio.gather(*(self._probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in self.urls))
+        return all(ok for ok, _ in probes)
+
+    async def wait_healthy(self, timeout_s: float | None = None, *, poll_s: float = 0.5) -> None:
+        """Poll GET /health until every server answers 200; RolloutServerError after ``timeout_s``.
+
+        ``timeout_s`` defaults to ``cfg.health_timeout_s``. The error names each server that never became
+        healthy with its last status or connection error.
+        """
+        limit = self.cfg.health_timeout_s if timeout_s is None else timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        pending = {url: "not probed" for url in self.urls}
+        while True:
+            remaining = deadline - loop.time()
+            urls = list(pending)
+            probes = await asyncio.gather(
+                *(self._probe(url, max(min(_HEALTH_PROBE_TIMEOUT_S, remaining), 0.05)) for url in urls)
+            )
+            for url, (ok, detail) in zip(urls, probes, strict=True):
+                if ok:
+                    del pending[url]
+                else:
+                    pending[url] = detail
+            if not pending:
+                return
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                lines = "; ".join(f"{url} (last: {detail})" for url, detail in pending.items())
+                raise RolloutServerError(
+                    f"SGLang server(s) not healthy after {limit:g} s (rollout.sglang.health_timeout_s): {lines}. "
+                    "Check that they are running and finished loading, and their logs."
+                )
+            await asyncio.sleep(min(poll_s, remaining))
+
+    async def _probe(self, url: str, timeout_s: float) -> tuple[bool, str]:
+        try:
+            response = await asyncio.wait_for(
+                self._http.get(url + "/health", timeout=httpx.Timeout(timeout_s)), timeout_s
+            )
+        except (httpx.TimeoutException, asyncio.TimeoutError):
+            return False, f"GET /health timed out after {timeout_s:g} s"
+        except httpx.TransportError as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        if response.status_code == 200:
+            return True, "HTTP 200"
+        return False, f"HTTP {response.status_code} {_message(response)}".rstrip()
+
+    async def model_info(self, url: str | None = None) -> dict:
+        """GET /model_info of one server (the first by default): model_path, weight_version, ..."""
+        target = self.urls[0] if url is None else url.rstrip("/")
+        _, answer = await self._call("GET", "/model_info", None, what="GET /model_info", servers=[target])
+        if not isinstance(answer, dict):
+            raise RolloutResponseError(f"{target}: /model_info answered {answer!r}, not a JSON object")
+        return answer
+
+    async def flush_cache(self) -> None:
+        """Drop every server's prefix (radix) cache; SGLang refuses (4xx) while requests are running."""
+        await self._on_every_server("POST", "/flush_cache", None)
+
+    async def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> None:
+        """Pause every server: abort in-flight requests, retract them to the queue, or freeze them in place."""
+        if mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_generation mode must be abort, retract or in_place, got {mode!r}")
+        await self._on_every_server("POST", "/pause_generation", {"mode": mode})
+
+    async def continue_generation(self) -> None:
+        """Resume every server after ``pause_generation``."""
+        await self._on_every_server("POST", "/continue_generation", {})
+
+    async def _on_every_server(self, method: str, path: str, body: dict | None) -> None:
+        await asyncio.gather(
+            *(self._call(method, path, body, what=f"{method} {path}", servers=[url]) for url in self.urls)
+        )
+
+    # ---------------------------------------------------------------- transport
+
+    def _rotation(self, first: int) -> list[str]:
+        return [self.urls[(first + k) % len(self.urls)] for k in range(len(self.urls))]
+
+    def _backoff(self, retry: int) -> float:
+        return min(self.cfg.backoff_s * 2 ** (retry - 1), _MAX_BACKOFF_S) * (0.5 + self._rng.random())
+
+    async def _call(
+        self, method: str, path: str, body: dict | None, *, what: str, servers: list[str], limit: bool = False
+    ) -> tuple[str, Any]:
+        """One request with retries; attempt k goes to ``servers[k % len(servers)]``. Returns (url, body)."""
+        attempts = self.cfg.max_retries + 1
+        tried: list[str] = []
+        error = ""
+        for attempt in range(attempts):
+            url = servers[attempt % len(servers)]
+            if url not in tried:
+                tried.append(url)
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            try:
+                if limit:
+                    async with self._slots[url]:
+                        response = await self._send(method, url + path, body)
+                else:
+                    response = await self._send(method, url + path, body)
+            except (httpx.TimeoutException, asyncio.TimeoutError):
+                error = f"{url}: timed out after {self.cfg.timeout_s:g} s (rollout.sglang.timeout_s)"
+                continue
+            except httpx.TransportError as exc:
+                error = f"{url}: {type(exc).__name__}: {exc or 'connection failed'}"
+                continue
+            if response.status_code >= 500 or response.status_code == 429:  # 429: busy, come back later
+                error = f"{url}: HTTP {response.status_code} {_message(response)}".rstrip()
+                continue
+            if response.status_code >= 400:
+                raise RolloutRequestError(
+                    f"{url} rejected {what} with HTTP {response.status_code}: {_message(response)}"
+                )
+            return url, _decode(response)
+        raise RolloutServerError(
+            f"{what} failed after {attempts} attempt(s) on {', '.join(tried)}; last error: {error}"
+        )
+
+    async def _send(self, method: str, url: str, body: dict | None) -> httpx.Response:
+        # httpx's timeouts bound each read; wait_for bounds the whole request, so a server that trickles
+        # bytes cannot hold a request past timeout_s either.
+        return await asyncio.wait_for(self._http.request(method, url, json=body), self.cfg.timeout_s)
+
+
+SGLangEngine = SGLangClient
+"""The name under which the rollout-engine choice refers to this client."""
+
+
+async def connect(cfg: SGLangClientConfig, *, policy_version: int = 0) -> SGLangClient:
+    """Attach to running SGLang servers at ``cfg.urls`` and wait (``cfg.health_timeout_s``) until all are healthy."""
+    client = SGLangClient(cfg, policy_version=policy_version)
+    try:
+        await client.wait_healthy()
+    except BaseException:
+        await client.close()
+        raise
+    return client
+
+
+def _decode(response: httpx.Response) -> Any:
+    """The JSON body, or the text for the routes that answer plain text (/flush_cache)."""
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
+
+
+def _message(response: httpx.Response) -> str:
+    """The server's own error message: SGLang's ``{"error": ...}``, FastAPI's ``{"detail": ...}``, or the text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:500]
+    if isinstance(body, dict):
+        for key in ("error", "detail", "message"):
+            if key in body:
+                value = body[key]
+                if isinstance(value, dict) and "message" in value:
+                    value = value["message"]
+                return str(value)[:500]
+    return str(body)[:500]
