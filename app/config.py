@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
+from app.rollout.sglang import SGLangClientConfig
 from rewards import RewardsConfig
 from sandbox import SandboxConfig
 from trainer.advantages import AdvantageConfig
@@ -93,8 +94,12 @@ class ModelConfig:
 
 @dataclass
 class RolloutConfig:
-    engine: Literal["embedded"] = "embedded"
-    """Rollout engine. embedded: in-process CPU sampling with a KV cache."""
+    engine: Literal["embedded", "local", "sglang"] = "embedded"
+    """Rollout engine. embedded: in-process CPU sampling with a KV cache. local: the built-in CPU rollout
+    server (`trustbatch rollout-server`, one per rank, started by the run) behind SGLang's HTTP API.
+    sglang: running SGLang servers at rollout.sglang.urls. local and sglang share one HTTP client."""
+    sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
+    """The HTTP client of the local and sglang engines (URLs, time limits, retries, concurrency)."""
     prompts_per_step: int = 32
     """Prompts sampled per optimizer step (split across data-parallel ranks)."""
     group_size: int = 8
@@ -126,6 +131,16 @@ class RolloutConfig:
             raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.engine == "sglang" and not self.sglang.urls:
+            raise ValueError(
+                "rollout.engine=sglang needs rollout.sglang.urls (e.g. [http://127.0.0.1:30000]); "
+                "or use rollout.engine=local to start the built-in CPU server"
+            )
+        if self.engine != "sglang" and self.sglang.urls:
+            raise ValueError(
+                f"rollout.sglang.urls={list(self.sglang.urls)} is set but rollout.engine={self.engine} does not "
+                "use them: set rollout.engine=sglang, or clear rollout.sglang.urls"
+            )
 
 
 @dataclass

@@ -7,14 +7,14 @@ same prompts (before and after training) give a paired gain whose SE uses the pe
 
 from __future__ import annotations
 
-import asyncio
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from app.data import PromptRow
-from app.rollout.base import RolloutEngine, SamplingParams
+from app.rollout.base import Completion, SamplingParams
 from app.scoring import score_texts
 from rewards.runner import RewardRunner
 from trainer.distributed import Reducer
@@ -54,7 +54,7 @@ def paired_gain(before: EvalResult, after: EvalResult) -> tuple[float, float]:
 
 
 def evaluate(
-    engine: RolloutEngine,
+    generate: Callable[[list[list[int]], SamplingParams], list[Completion]],
     rows: list[PromptRow],
     prompt_ids: list[list[int]],
     decode,
@@ -67,7 +67,7 @@ def evaluate(
     mine = list(range(rank, len(rows), world))
     correct = torch.zeros(len(rows), dtype=torch.float64)
     if mine:
-        completions = asyncio.run(engine.generate([prompt_ids[i] for i in mine], params))
+        completions = generate([prompt_ids[i] for i in mine], params)
         owners = [mine[j // params.n] for j in range(len(completions))]
         scores, _ = score_texts(
             runner, [rows[i] for i in owners], [decode(c.output_ids) for c in completions]

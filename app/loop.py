@@ -31,6 +31,8 @@ from app.plots import plot_run
 from app.rollout.base import Completion, RolloutEngine, SamplingParams, WeightSource
 from app.rollout.batching import build_train_batch
 from app.rollout.embedded import EmbeddedEngine
+from app.rollout.launcher import LocalServerProcess
+from app.rollout.sglang import connect
 from app.scoring import rewards_with_sandbox, score_texts
 from app.tracking import Tracker
 from rewards import Score, check_tasks
@@ -93,9 +95,60 @@ class Parts:
     train: Prompts
     eval: Prompts
     sampling: SamplingParams
+    aio: asyncio.Runner
+    """One event loop for the whole run: HTTP engines keep connections and semaphores bound to it."""
+    servers: list[LocalServerProcess]
+    weights_dir: Path
+    """Where HTTP engines load each new policy version from (update_weights_from_disk)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        return self.aio.run(self.engine.generate(prompts, params))
+
+    def close(self) -> None:
+        if not isinstance(self.engine, EmbeddedEngine):
+            self.aio.run(self.engine.close())
+        for server in self.servers:
+            server.stop()
+        self.aio.close()
+        self.runner.close()
+
+
+def make_engine(
+    cfg: Config, model, tokenizer, model_dir: Path, dist: DistInfo, aio: asyncio.Runner
+) -> tuple[RolloutEngine, list[LocalServerProcess]]:
+    """The configured rollout engine; `local` first starts this rank's CPU rollout server."""
+    r = cfg.rollout
+    if r.engine == "embedded":
+        engine = EmbeddedEngine(
+            model,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            max_batch_size=r.max_batch_size,
+        )
+        return engine, []
+    servers, client_cfg = [], r.sglang
+    if r.engine == "local":
+        server = LocalServerProcess(
+            model_dir,
+            max_batch_size=r.max_batch_size,
+            log_path=cfg.run.path / f"rollout-server-rank{dist.rank}.log",
+        )
+        servers.append(server)
+        client_cfg = replace(
+            client_cfg, urls=[server.start()], health_timeout_s=min(client_cfg.health_timeout_s, 180.0)
+        )
+        log.info(
+            "rank %d: started the CPU rollout server at %s (log %s)", dist.rank, server.url, server.log_path
+        )
+    try:
+        return aio.run(connect(client_cfg)), servers
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
 
 
 def setup(cfg: Config) -> Parts:
@@ -121,12 +174,8 @@ def setup(cfg: Config) -> Parts:
     stop = {tokenizer.eos_token_id} | {
         tokenizer.get_vocab()[t] for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
     }
-    engine = EmbeddedEngine(
-        model,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        max_batch_size=cfg.rollout.max_batch_size,
-    )
+    aio = asyncio.Runner()
+    engine, servers = make_engine(cfg, model, tokenizer, model_dir, dist, aio)
     if dist.world_size > 1:
         shard_model(model)
     model.train()
@@ -154,14 +203,15 @@ def setup(cfg: Config) -> Parts:
             n=r.group_size,
             stop_token_ids=tuple(sorted(stop)),
         ),
+        aio=aio,
+        servers=servers,
+        weights_dir=cfg.run.path / "weights" / f"rank{dist.rank}",
     )
 
 
 def rollout(p: Parts, chosen: list[int], seed: int) -> tuple[list[Completion], list[Score], dict]:
     """Generate `group_size` completions of each chosen prompt (prompt-major) and score them."""
-    completions = asyncio.run(
-        p.engine.generate([p.train.ids[i] for i in chosen], replace(p.sampling, seed=seed))
-    )
+    completions = p.generate([p.train.ids[i] for i in chosen], replace(p.sampling, seed=seed))
     rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
     scores, reward_metrics = score_texts(p.runner, rows, [p.decode(c.output_ids) for c in completions])
     return completions, scores, reward_metrics
@@ -195,8 +245,15 @@ def rollout_metrics(
     rewards: torch.Tensor,
     stats: dict,
     batch: TrainBatch,
+    trainer_version: int,
 ) -> dict[str, float]:
-    """Rollout statistics summed over ranks, so every number is global."""
+    """Rollout statistics summed over ranks, so every number is global.
+
+    Policy lag = trainer version (optimizer steps taken before this one) − the version that generated the
+    completion; 0 throughout a synchronous run, and the check that the engine really holds the pushed weights.
+    """
+    lags = [trainer_version - c.policy_version for c in completions]
+    lag_max = p.reducer.max_(torch.tensor([max(lags)], dtype=torch.float64)).item()
     sums = torch.tensor(
         [
             float(rewards.sum()),
@@ -206,10 +263,11 @@ def rollout_metrics(
             stats["advantage/zero_variance_groups"],
             float(sum(c.finish_reason == "length" for c in completions)),
             float(batch.batch_size),
+            float(sum(lags)),
         ],
         dtype=torch.float64,
     )
-    reward, correct, n, length, zero_var, truncated, trained = p.reducer.sum_(sums).tolist()
+    reward, correct, n, length, zero_var, truncated, trained, lag = p.reducer.sum_(sums).tolist()
     return {
         "reward/mean": reward / n,
         "reward/correct": correct / n,
@@ -218,6 +276,8 @@ def rollout_metrics(
         "rollout/truncated_frac": truncated / n,
         "rollout/trained_frac": trained / n,
         "advantage/zero_variance_groups": zero_var,
+        "rollout/policy_lag/mean": lag / n,
+        "rollout/policy_lag/max": lag_max,
     }
 
 
@@ -236,7 +296,7 @@ class Evaluator:
         if cfg.eval.greedy:
             runs["greedy"] = replace(base, n=1, temperature=0.0, top_p=1.0)
         self.results[step] = {
-            name: evaluate(p.engine, p.eval.rows, p.eval.ids, p.decode, p.runner, params, p.reducer)
+            name: evaluate(p.generate, p.eval.rows, p.eval.ids, p.decode, p.runner, params, p.reducer)
             for name, params in runs.items()
         }
         sampled = self.results[step]["sampled"]
@@ -254,9 +314,25 @@ class Evaluator:
         return out
 
 
+def push_weights(p: Parts, version: int) -> None:
+    """Hand the trainer's weights to the engine as policy `version`: in memory, or through a directory."""
+    if isinstance(p.engine, EmbeddedEngine):
+        source = WeightSource(state_dict=full_state_dict(p.model))
+    else:  # every rank writes its own copy for its own server (saving gathers the full weights on all ranks)
+        source = WeightSource(path=save_hf_checkpoint(p.model, p.tokenizer, p.weights_dir, is_main=True))
+    p.aio.run(p.engine.update_weights(source, version=version))
+
+
 def run(cfg: Config) -> dict:
     t_start = time.perf_counter()
     p = setup(cfg)
+    try:
+        return train(cfg, p, t_start)
+    finally:
+        p.close()
+
+
+def train(cfg: Config, p: Parts, t_start: float) -> dict:
     evaluator = Evaluator(cfg, p)
     first = evaluator(0)
     if p.dist.is_main:
@@ -282,12 +358,12 @@ def run(cfg: Config) -> dict:
             p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer, scheduler=p.scheduler
         )
         t2 = time.perf_counter()
-        asyncio.run(p.engine.update_weights(WeightSource(state_dict=full_state_dict(p.model)), version=step))
+        push_weights(p, version=step)
         t3 = time.perf_counter()
 
         metrics = {
             "step": step,
-            **rollout_metrics(p, completions, scores, rewards, stats, batch),
+            **rollout_metrics(p, completions, scores, rewards, stats, batch, trainer_version=step - 1),
             **{k: v for k, v in reward_metrics.items() if k != "reward/mean"},
             **step_metrics,
             "timing/rollout": t1 - t0,
@@ -308,9 +384,7 @@ def run(cfg: Config) -> dict:
         )
     bar.close()
     evaluator(cfg.run.steps)
-    summary = finish(cfg, p, evaluator, history, wall_s=time.perf_counter() - t_start)
-    p.runner.close()
-    return summary
+    return finish(cfg, p, evaluator, history, wall_s=time.perf_counter() - t_start)
 
 
 def finish(cfg: Config, p: Parts, evaluator: Evaluator, history: list[dict], wall_s: float) -> dict:

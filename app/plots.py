@@ -16,8 +16,10 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
     rewards = [h["reward/mean"] for h in history]
     axes[0].plot(steps, rewards, lw=0.6, alpha=0.4, label="train reward (step mean)")
     window = max(1, len(rewards) // 30)
-    smooth = [sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
-              for i in range(len(rewards))]
+    smooth = [
+        sum(rewards[max(0, i - window + 1) : i + 1]) / len(rewards[max(0, i - window + 1) : i + 1])
+        for i in range(len(rewards))
+    ]
     axes[0].plot(steps, smooth, lw=1.5, label=f"moving average ({window} steps)")
     axes[0].set_title("reward")
     axes[0].set_xlabel("step")
@@ -36,7 +38,9 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
     ess = [h["loss/ess"] for h in history]
     axes[2].plot(steps, ess, lw=1, label="ESS")
     low = min(ess, default=1.0)
-    axes[2].set_ylim(max(0.0, low - 0.1 * (1.0 - low) - 1e-3), 1.0 + 1e-3)  # 1.0 on-policy: show the small dips
+    axes[2].set_ylim(
+        max(0.0, low - 0.1 * (1.0 - low) - 1e-3), 1.0 + 1e-3
+    )  # 1.0 on-policy: show the small dips
     axes[2].set_title("normalised effective sample size")
     axes[2].set_xlabel("step")
     axes[2].legend()

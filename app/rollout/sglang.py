@@ -114,7 +114,9 @@ class SGLangClientConfig:
         if self.max_concurrency < 1:
             raise ValueError(f"rollout.sglang.max_concurrency must be >= 1, got {self.max_concurrency}")
         if self.max_retries < 0:
-            raise ValueError(f"rollout.sglang.max_retries must be >= 0 (0 = no retry), got {self.max_retries}")
+            raise ValueError(
+                f"rollout.sglang.max_retries must be >= 0 (0 = no retry), got {self.max_retries}"
+            )
         if self.backoff_s < 0:
             raise ValueError(f"rollout.sglang.backoff_s must be >= 0, got {self.backoff_s}")
         if self.batch_size < 1:
@@ -177,8 +179,14 @@ class SGLangClient:
         self._next_server = (first + len(chunks)) % len(self.urls)
         tasks = [
             asyncio.ensure_future(
-                self._generate_chunk(chunk, params, index=i, num_chunks=len(chunks), start=i * size,
-                                     first_server=(first + i) % len(self.urls))
+                self._generate_chunk(
+                    chunk,
+                    params,
+                    index=i,
+                    num_chunks=len(chunks),
+                    start=i * size,
+                    first_server=(first + i) % len(self.urls),
+                )
             )
             for i, chunk in enumerate(chunks)
         ]
@@ -193,7 +201,13 @@ class SGLangClient:
         return [completion for chunk_completions in results for completion in chunk_completions]
 
     async def _generate_chunk(
-        self, chunk: list[list[int]], params: SamplingParams, *, index: int, num_chunks: int, start: int,
+        self,
+        chunk: list[list[int]],
+        params: SamplingParams,
+        *,
+        index: int,
+        num_chunks: int,
+        start: int,
         first_server: int,
     ) -> list[Completion]:
         sampling: dict[str, Any] = {
@@ -243,11 +257,19 @@ class SGLangClient:
                 )
             logprobs = []
             for j, (token, triple) in enumerate(zip(output_ids, triples, strict=True)):
-                if not (isinstance(triple, list) and len(triple) >= 2 and isinstance(triple[0], (int, float))
-                        and not isinstance(triple[0], bool)):
-                    raise bad(f"{where} output_token_logprobs[{j}] = {triple!r} is not [logprob, token_id, text]")
+                if not (
+                    isinstance(triple, list)
+                    and len(triple) >= 2
+                    and isinstance(triple[0], (int, float))
+                    and not isinstance(triple[0], bool)
+                ):
+                    raise bad(
+                        f"{where} output_token_logprobs[{j}] = {triple!r} is not [logprob, token_id, text]"
+                    )
                 if triple[1] != token:
-                    raise bad(f"{where} output_token_logprobs[{j}] is for token {triple[1]}, output_ids has {token}")
+                    raise bad(
+                        f"{where} output_token_logprobs[{j}] is for token {triple[1]}, output_ids has {token}"
+                    )
                 logprobs.append(float(triple[0]))
             reason = meta.get("finish_reason")
             kind = reason.get("type") if isinstance(reason, dict) else reason
@@ -258,21 +280,28 @@ class SGLangClient:
             spans = meta.get("weight_versions")
             if isinstance(spans, list) and spans:
                 extra["weight_versions"] = [
-                    {"version": self._version_of(s.get("version")), "start": s.get("start"), "end": s.get("end")}
-                    for s in spans if isinstance(s, dict)
+                    {
+                        "version": self._version_of(s.get("version")),
+                        "start": s.get("start"),
+                        "end": s.get("end"),
+                    }
+                    for s in spans
+                    if isinstance(s, dict)
                 ]
                 if extra["weight_versions"]:
                     version = min(s["version"] for s in extra["weight_versions"])
             if kind == "abort" and isinstance(reason, dict) and reason.get("message"):
                 extra["abort_message"] = reason["message"]
-            completions.append(Completion(
-                prompt_ids=list(chunk[prompt_index]),
-                output_ids=[int(t) for t in output_ids],
-                output_logprobs=logprobs,
-                finish_reason=_FINISH_REASONS[kind],
-                policy_version=version,
-                meta=extra,
-            ))
+            completions.append(
+                Completion(
+                    prompt_ids=list(chunk[prompt_index]),
+                    output_ids=[int(t) for t in output_ids],
+                    output_logprobs=logprobs,
+                    finish_reason=_FINISH_REASONS[kind],
+                    policy_version=version,
+                    meta=extra,
+                )
+            )
         return completions
 
     def _version_of(self, label: Any) -> int:
@@ -308,7 +337,9 @@ class SGLangClient:
             # weights and version were applied: flush, and the update is complete.
             if "cache was not flushed" not in str(exc):
                 raise
-            await self._call("POST", "/flush_cache", None, what="/flush_cache after a weight update", servers=[url])
+            await self._call(
+                "POST", "/flush_cache", None, what="/flush_cache after a weight update", servers=[url]
+            )
             return
         if not (isinstance(answer, dict) and answer.get("success") is True):
             message = answer.get("message") if isinstance(answer, dict) else answer

@@ -1,0 +1,78 @@
+"""Start rollout servers the run owns: `trustbatch rollout-server` (the CPU server) as a child process.
+
+`rollout.engine=local` starts one per rank on a free loopback port and talks to it through the same SGLang
+client as real SGLang servers (`rollout.engine=sglang`, which connects to `rollout.sglang.urls`). The child
+dies with the run: it is terminated in `stop()`, and also when the parent exits (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class LocalServerProcess:
+    """One `trustbatch rollout-server` child process serving `model_dir` on 127.0.0.1."""
+
+    def __init__(self, model_dir: Path, *, max_batch_size: int, log_path: Path, port: int = 0):
+        self.model_dir, self.max_batch_size, self.log_path = Path(model_dir), max_batch_size, Path(log_path)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> str:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)  # the server is not part of the trainer's process group
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "app.cli",
+                    "rollout-server",
+                    "--model",
+                    str(self.model_dir),
+                    "--port",
+                    str(self.port),
+                    "--max-batch-size",
+                    str(self.max_batch_size),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_die_with_parent,
+            )
+        return self.url
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
