@@ -84,10 +84,6 @@ class Tracker:
         else:
             mlflow.log_artifact(str(path), artifact_path=artifact_path)
 
-    def set_tags(self, tags: dict[str, str]) -> None:
-        if self.enabled:
-            _import_mlflow().set_tags(tags)
-
     def finish(self, status: str = "FINISHED") -> None:
         if self.enabled and self.run_id is not None:
             _import_mlflow().end_run(status=status)

@@ -64,6 +64,7 @@ from trainer.objective import (
     ObjectiveConfig,
     ess_from_sums,
     ess_partial_sums,
+    importance_ratio,
     policy_objective,
     valid_token_mask,
 )
@@ -96,7 +97,9 @@ class TrainBatch:
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature <= 0:
-            raise ValueError(f"TrainBatch.temperature={self.temperature} must be > 0 (the sampling temperature)")
+            raise ValueError(
+                f"TrainBatch.temperature={self.temperature} must be > 0 (the sampling temperature)"
+            )
         fields = {
             "input_ids": self.input_ids,
             "attention_mask": self.attention_mask,
@@ -227,12 +230,6 @@ def _micro_batches(
     return out
 
 
-def _detached_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor, max_log_ratio: float) -> Tensor:
-    """exp(clamp(ℓ − b, ±max_log_ratio)) in float32, no gradient; 1 where `mask` is False."""
-    log_ratio = torch.where(mask, logprobs.detach().float() - old_logprobs.float(), 0.0)
-    return log_ratio.clamp(-max_log_ratio, max_log_ratio).exp()
-
-
 def _reduced_ess(sums: Tensor, reducer: Reducer) -> float:
     return ess_from_sums(reducer.sum_(sums.detach().to(torch.float64).cpu()))
 
@@ -280,7 +277,7 @@ def train_step(
         with torch.no_grad():
             for mb in micro_batches:
                 logprobs, _ = forward(mb)
-                ratio = _detached_ratio(logprobs, mb.old_logprobs, mb.mask, objective.max_log_ratio)
+                ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
                 sums += ess_partial_sums(ratio, mb.mask).cpu()
         step_ess = _reduced_ess(sums, reducer)
 
@@ -295,7 +292,7 @@ def train_step(
         if objective.entropy_coef == 0:
             entropy = entropy.detach()  # a metric only: no gradient path through it
         if step_ess is None:
-            ratio = _detached_ratio(logprobs, mb.old_logprobs, mb.mask, objective.max_log_ratio)
+            ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
             ess = _reduced_ess(ess_partial_sums(ratio, mb.mask), reducer)
         else:
             ess = step_ess
