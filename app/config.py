@@ -166,7 +166,8 @@ class EvalConfig:
 @dataclass
 class TrackingConfig:
     uri: str = ""
-    """MLflow tracking URI. Empty: a SQLite store at <run dir>/mlflow.db (artifacts in <run dir>/mlartifacts)."""
+    """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else a SQLite store beside the run directory
+    (runs/mlflow.db, artifacts in runs/mlartifacts), shared by every run under runs/."""
     experiment: str = "trustbatch"
     """MLflow experiment name."""
     log_model: bool = True

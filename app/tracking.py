@@ -1,7 +1,9 @@
 """MLflow tracking: one run per training run, params + resolved config + per-step metrics + artifacts.
 
-Default store: a SQLite file and an artifact folder inside the run directory, so a run needs no server and
-the directory is self-contained; any `tracking.uri` (an MLflow server, another SQLite file) works the same.
+Default store: a SQLite file and an artifact folder beside the run directory (`runs/mlflow.db`,
+`runs/mlartifacts/` for runs under `runs/`), shared by every run there, so a run needs no server and one model
+registry holds the checkpoints of all of them; `$MLFLOW_TRACKING_URI` or any `tracking.uri` (an MLflow
+server, another SQLite file) works the same.
 Only rank 0 tracks; other ranks get a `Tracker` whose methods do nothing (`enabled=False`).
 """
 
@@ -27,8 +29,15 @@ def _import_mlflow():
     return _mlflow
 
 
-def default_tracking_uri(run_dir: Path) -> str:
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+DEFAULT_RUNS_ROOT = Path("runs")
+"""Where run directories live by default (`run.dir` empty: runs/<run.name>)."""
+
+
+def default_tracking_uri(runs_root: Path = DEFAULT_RUNS_ROOT) -> str:
+    """The store every command uses unless told otherwise: $MLFLOW_TRACKING_URI, else the SQLite file
+    `<runs_root>/mlflow.db`. One store for all runs under a root, so the model registry spans runs and
+    `trustbatch models`, `serve` and `eval` find every version without being told where a run was."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(Path(runs_root) / 'mlflow.db').resolve()}"
 
 
 class Tracker:
@@ -37,7 +46,8 @@ class Tracker:
     def __init__(self, cfg: TrackingConfig, run_dir: Path, *, run_name: str, enabled: bool = True):
         self.enabled = enabled
         self.run_id: str | None = None
-        self.tracking_uri = cfg.uri or default_tracking_uri(run_dir)
+        # The default store sits beside the run directory (runs/mlflow.db for runs/<name>), shared by its siblings.
+        self.tracking_uri = cfg.uri or default_tracking_uri(run_dir.parent)
         self._cfg = cfg
         if not enabled:
             return
@@ -46,7 +56,7 @@ class Tracker:
         experiment = mlflow.get_experiment_by_name(cfg.experiment)
         if experiment is None:
             # A local store keeps artifacts beside the database, inside the run directory.
-            location = None if cfg.uri else (run_dir / "mlartifacts").resolve().as_uri()
+            location = None if cfg.uri else (run_dir.parent / "mlartifacts").resolve().as_uri()
             experiment_id = mlflow.create_experiment(cfg.experiment, artifact_location=location)
         else:
             experiment_id = experiment.experiment_id
