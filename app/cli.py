@@ -119,13 +119,23 @@ def rollout_server(
     batch_window_ms: Annotated[
         float, typer.Option(help="How long a first request waits for others to join its batch.")
     ] = 5.0,
+    weight_version: Annotated[
+        str, typer.Option(help="SGLang weight_version label of the weights in --model.")
+    ] = "0",
 ) -> None:
     """Serve a model on CPU behind SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
     _setup_logging()
     from app.rollout.local_server import serve
 
     try:
-        serve(model, host, port, max_batch_size=max_batch_size, batch_window_ms=batch_window_ms)
+        serve(
+            model,
+            host,
+            port,
+            max_batch_size=max_batch_size,
+            batch_window_ms=batch_window_ms,
+            weight_version=weight_version,
+        )
     except ValueError as exc:
         _fail(str(exc))
 

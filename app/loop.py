@@ -1,13 +1,25 @@
-"""The training loop: generate → score → advantages → train_step → push weights → log.
+"""The training loop: rollouts and training run at the same time, held together by a bound on policy lag.
 
-This file is the architecture. One optimizer step, synchronously (max_lag = 0):
-  1. take `rollout.prompts_per_step` prompts (every rank draws the same list and keeps its slice),
-  2. the rollout engine samples `rollout.group_size` completions of each, with behaviour logprobs,
-  3. the reward runner scores them (verifiers routed by each row's task, in a process pool),
-  4. group-relative advantages (zero-variance groups dropped), a padded TrainBatch, one `train_step`,
-  5. the new weights go to the engine with the new policy version; metrics go to MLflow.
-Held-out evaluation runs before the first step, every `eval.every` steps and after the last.
-It runs in one process or under `torchrun` (FSDP2, gloo on CPU); only rank 0 writes files and tracks.
+This file is the architecture. Two tasks per rank share one event loop (asyncio); blocking work (sampling on
+the servers, scoring, `train_step`, saving weights) happens in other processes or worker threads, so neither
+task stops the other:
+
+    task        consumes                       waits for                          unblocks
+    ----------  -----------------------------  ---------------------------------  ----------------------------
+    produce     prompt tickets (one per step)  engines to hold version            the trainer (groups in the
+                                               >= ticket - 1 - max_lag (clock);   buffer); exact_lag: the
+                                               room in the buffer                 publish of the next version
+    train       scored groups from the buffer  `prompts_per_step` groups whose    produce (a new version on the
+                (oldest first; too-stale ones  lag <= max_lag                     clock, room in the buffer)
+                dropped and counted)
+
+One step of `train`: take groups → group advantages → `train_step` (ESS objective) → save the new weights and
+push them to every rollout server as version `step` (the push finishes in the background; the clock
+advances when every server holds it) → log; every `eval.every` steps evaluate, every `checkpoint.every` steps
+checkpoint and register an MLflow model version. `rollout.max_lag = 0` is the synchronous loop: ticket t
+waits for the weights of step t - 1 (app/buffer.py). Held-out evaluation runs before the first step, every
+`eval.every` steps and after the last. Under `torchrun` every rank runs both tasks on its share of each
+ticket; collectives happen only in the train task, in the same order on every rank. Only rank 0 writes files.
 """
 
 from __future__ import annotations
@@ -15,222 +27,246 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
+import shutil
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from app.bootstrap import ensure_model
-from app.config import Config, check_trainable, to_yaml
-from app.data import PromptRow, load_split
-from app.eval import EvalResult, evaluate, paired_gain
+from app.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
+from app.config import Config
+from app.eval import paired_gain
 from app.plots import plot_run
-from app.rollout.base import Completion, RolloutEngine, SamplingParams, WeightSource
+from app.rollout.base import Completion, WeightSource
 from app.rollout.batching import build_train_batch
-from app.rollout.embedded import EmbeddedEngine
-from app.rollout.launcher import LocalServerProcess
-from app.rollout.sglang import connect
-from app.scoring import rewards_with_sandbox, score_texts
-from app.tracking import Tracker
-from rewards import Score, check_tasks
-from rewards.runner import RewardRunner
+from app.runtime import Evaluator, Parts, PromptSampler, completions_version, setup
+from app.scoring import score_texts
+from rewards import Score
 from trainer.advantages import group_advantages, informative_groups
-from trainer.checkpoint import save_hf_checkpoint
-from trainer.distributed import (
-    DistInfo,
-    Reducer,
-    barrier,
-    full_state_dict,
-    init_distributed,
-    shard_model,
+from trainer.checkpoint import (
+    prune_checkpoints,
+    save_checkpoint,
+    save_hf_checkpoint,
+    step_dir,
 )
-from trainer.model import encode_prompt, load_model
-from trainer.optim import build_optimizer
+from trainer.distributed import full_state_dict
 from trainer.step import TrainBatch, train_step
 
 log = logging.getLogger("trustbatch")
 
 
-class PromptSampler:
-    """Seeded epochs over the training prompts; `cursor` is the data position (for resumption)."""
-
-    def __init__(self, size: int, seed: int):
-        self.size, self.seed, self.cursor = size, seed, 0
-
-    def take(self, k: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < k:
-            epoch, offset = divmod(self.cursor, self.size)
-            order = list(range(self.size))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            n = min(k - len(out), self.size - offset)
-            out += order[offset : offset + n]
-            self.cursor += n
-        return out
-
-
 @dataclass
-class Prompts:
-    rows: list[PromptRow]
-    ids: list[list[int]]
+class Group:
+    """The `group_size` scored completions of one prompt, from one ticket."""
+
+    ticket: int
+    completions: list[Completion]
+    scores: list[Score]
+    reward_metrics: dict[str, float]
+    """The scoring metrics of the ticket it came from (error and timeout rates, per-verifier means)."""
 
 
-@dataclass
-class Parts:
-    """Everything the loop drives, built once by `setup`."""
-
-    dist: DistInfo
-    reducer: Reducer
-    model_dir: Path
-    model: torch.nn.Module
-    tokenizer: object
-    engine: RolloutEngine
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    runner: RewardRunner
-    tracker: Tracker
-    train: Prompts
-    eval: Prompts
-    sampling: SamplingParams
-    aio: asyncio.Runner
-    """One event loop for the whole run: HTTP engines keep connections and semaphores bound to it."""
-    servers: list[LocalServerProcess]
-    weights_dir: Path
-    """Where HTTP engines load each new policy version from (update_weights_from_disk)."""
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return self.aio.run(self.engine.generate(prompts, params))
-
-    def close(self) -> None:
-        if not isinstance(self.engine, EmbeddedEngine):
-            self.aio.run(self.engine.close())
-        for server in self.servers:
-            server.stop()
-        self.aio.close()
-        self.runner.close()
-
-
-def make_engine(
-    cfg: Config, model, tokenizer, model_dir: Path, dist: DistInfo, aio: asyncio.Runner
-) -> tuple[RolloutEngine, list[LocalServerProcess]]:
-    """The configured rollout engine; `local` first starts this rank's CPU rollout server."""
-    r = cfg.rollout
-    if r.engine == "embedded":
-        engine = EmbeddedEngine(
-            model,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-            max_batch_size=r.max_batch_size,
-        )
-        return engine, []
-    servers, client_cfg = [], r.sglang
-    if r.engine == "local":
-        server = LocalServerProcess(
-            model_dir,
-            max_batch_size=r.max_batch_size,
-            log_path=cfg.run.path / f"rollout-server-rank{dist.rank}.log",
-        )
-        servers.append(server)
-        client_cfg = replace(
-            client_cfg, urls=[server.start()], health_timeout_s=min(client_cfg.health_timeout_s, 180.0)
-        )
-        log.info(
-            "rank %d: started the CPU rollout server at %s (log %s)", dist.rank, server.url, server.log_path
-        )
+def run(cfg: Config) -> dict:
+    t_start = time.perf_counter()
+    p = setup(cfg)
     try:
-        return aio.run(connect(client_cfg)), servers
+        return asyncio.run(train(cfg, p, t_start))
     except BaseException:
-        for server in servers:
-            server.stop()
+        p.tracker.finish("FAILED")  # a resumed run sets it RUNNING again
         raise
+    finally:
+        p.close()
 
 
-def setup(cfg: Config) -> Parts:
-    check_trainable(cfg)
-    dist = init_distributed()
-    reducer = dist.reducer()
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.run.seed)
-    if dist.is_main:
-        cfg.run.path.mkdir(parents=True, exist_ok=True)
-        (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
+async def train(cfg: Config, p: Parts, t_start: float) -> dict:
+    r, start = cfg.rollout, p.resume.step
+    per_rank = len(range(p.dist.rank, r.prompts_per_step, p.dist.world_size))
+    clock = PolicyClock(start)
+    buffer: StalenessBuffer[Group] = StalenessBuffer(r.max_lag, capacity=(r.max_lag + 1) * max(per_rank, 1))
+    generated = Watermark(start)
+    publisher = Publisher(cfg, p, clock, generated)
+    evaluator = Evaluator(cfg, p)
+    loop = asyncio.get_running_loop()
 
-    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier)
-    model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
-    train_rows = load_split(cfg.data, "train")
-    eval_rows = load_split(cfg.data, "eval")[: cfg.eval.num_prompts]
-    check_tasks(cfg.rewards, {row.task for row in train_rows + eval_rows})
+    def generate_blocking(prompts, params):  # for evaluation, which runs in a worker thread
+        return asyncio.run_coroutine_threadsafe(p.fleet.generate(prompts, params), loop).result()
 
-    def prompts(rows: list[PromptRow]) -> Prompts:
-        return Prompts(rows, [encode_prompt(tokenizer, row.prompt, row.messages) for row in rows])
+    async def evaluate(step: int) -> dict[str, float]:
+        await publisher.flush()  # the engines hold the weights of `step`
+        return await asyncio.to_thread(evaluator, step, generate_blocking)
 
-    # Generation ends at EOS, and at the chat template's end-of-turn token when the tokenizer has one.
-    stop = {tokenizer.eos_token_id} | {
-        tokenizer.get_vocab()[t] for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
-    }
-    aio = asyncio.Runner()
-    engine, servers = make_engine(cfg, model, tokenizer, model_dir, dist, aio)
-    if dist.world_size > 1:
-        shard_model(model)
-    model.train()
-    optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.run.steps)
-    tracker = Tracker(cfg.tracking, cfg.run.path, run_name=cfg.run.name, enabled=dist.is_main)
-    tracker.log_config(cfg)
-    r = cfg.rollout
-    return Parts(
-        dist=dist,
-        reducer=reducer,
-        model_dir=model_dir,
-        model=model,
-        tokenizer=tokenizer,
-        engine=engine,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        runner=RewardRunner(rewards_with_sandbox(cfg.rewards, cfg.sandbox)),
-        tracker=tracker,
-        train=prompts(train_rows),
-        eval=prompts(eval_rows),
-        sampling=SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            n=r.group_size,
-            stop_token_ids=tuple(sorted(stop)),
-        ),
-        aio=aio,
-        servers=servers,
-        weights_dir=cfg.run.path / "weights" / f"rank{dist.rank}",
+    await publisher.connect()
+    p.fleet.start_watchdog()
+    producer = asyncio.create_task(produce(cfg, p, clock, buffer, generated, first_ticket=start + 1))
+    history: list[dict[str, float]] = _read_history(cfg, start) if start else []
+    counters = p.resume.state.get("counters", {"train_wall_s": 0.0, "samples": 0.0})
+    try:
+        if start == 0:
+            first = await evaluate(0)
+            if p.dist.is_main:
+                log.info(
+                    "step 0: held-out sampled pass@1 %.2f%% ± %.2f, greedy %.2f%%",
+                    100 * first["eval/accuracy"],
+                    100 * first["eval/accuracy_se"],
+                    100 * first.get("eval/greedy_accuracy", float("nan")),
+                )
+        bar = tqdm(
+            range(start + 1, cfg.run.steps + 1),
+            desc="train",
+            initial=start,
+            total=cfg.run.steps,
+            disable=not p.dist.is_main,
+            dynamic_ncols=True,
+        )
+        meter = Utilisation(p)
+        last = start
+        for step in bar:
+            metrics = await train_one_step(cfg, p, buffer, publisher, step, per_rank)
+            metrics.update(meter.read(metrics["timing/train"]))
+            metrics["throughput/samples_per_s"] = metrics["rollout/samples"] / metrics["timing/step"]
+            counters["train_wall_s"] += metrics["timing/step"]
+            counters["samples"] += metrics["rollout/samples"]
+            history.append(metrics)
+            p.tracker.log_metrics(metrics, step=step)
+            _append_history(cfg, p, metrics)
+            last = step
+            out_of_time = bool(cfg.run.time_limit_s and counters["train_wall_s"] >= cfg.run.time_limit_s)
+            final = step == cfg.run.steps or out_of_time
+            evaluated = final or bool(cfg.eval.every and step % cfg.eval.every == 0)
+            if evaluated:
+                await evaluate(step)
+            if final or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                await checkpoint(cfg, p, evaluator, step, counters, evaluated=evaluated)
+            meter.restart()  # evaluation and checkpointing are not part of the next step's wall time
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                acc=f"{100 * evaluator.history[-1]['eval/accuracy']:.1f}",
+                ess=f"{metrics['loss/ess']:.3f}",
+                lag=f"{metrics['rollout/policy_lag/mean']:.1f}",
+                sps=f"{metrics['throughput/samples_per_s']:.0f}",
+            )
+            if out_of_time:
+                log.info("run.time_limit_s=%g reached after step %d", cfg.run.time_limit_s, step)
+                break
+        bar.close()
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await publisher.close()
+        await p.fleet.close()
+    return finish(cfg, p, evaluator, history, counters, last, wall_s=time.perf_counter() - t_start)
+
+
+# ---------------------------------------------------------------------------------------------- produce
+
+
+async def produce(
+    cfg: Config,
+    p: Parts,
+    clock: PolicyClock,
+    buffer: StalenessBuffer[Group],
+    generated: Watermark,
+    *,
+    first_ticket: int,
+) -> None:
+    """Issue ticket after ticket as the lag bound allows; each generates, scores and queues its groups.
+
+    Tickets run concurrently (at most max_lag + 1 at a time, by the clock), and queue their groups in ticket
+    order. Runs until cancelled; a ticket that fails for good closes the buffer with its error, which stops
+    the trainer.
+    """
+    sampler = PromptSampler(len(p.train.rows), cfg.run.seed, cursor=(first_ticket - 1) * cfg.rollout.prompts_per_step)
+    finished: set[int] = set()
+    queued_before: asyncio.Future | None = None
+    tasks: set[asyncio.Task] = set()
+
+    async def one_ticket(ticket: int, chosen: list[int], turn: asyncio.Future | None, mine: asyncio.Future):
+        try:
+            completions = await p.fleet.generate(
+                [p.train.ids[i] for i in chosen],
+                replace(p.sampling, seed=cfg.run.seed * 100_003 + ticket * 64 + p.dist.rank),
+            )
+            finished.add(ticket)
+            while generated.value + 1 in finished:  # the watermark: every ticket up to it has generated
+                await generated.advance(generated.value + 1)
+            rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
+            texts = [p.decode(c.output_ids) for c in completions]
+            scores, reward_metrics = await asyncio.to_thread(score_texts, p.runner, rows, texts)
+            n = p.sampling.n
+            groups = [
+                Group(ticket, completions[k * n : (k + 1) * n], scores[k * n : (k + 1) * n], reward_metrics)
+                for k in range(len(chosen))
+            ]
+            if turn is not None:
+                await turn  # queue after the previous ticket, so the trainer sees tickets in order
+            await buffer.put([Versioned(g, completions_version(g.completions)) for g in groups])
+            mine.set_result(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the trainer must hear of it
+            await buffer.close(exc)
+            raise
+
+    try:
+        ticket = first_ticket
+        while True:
+            await clock.wait_for(ticket_gate(ticket, cfg.rollout.max_lag))
+            chosen = sampler.take(cfg.rollout.prompts_per_step)[p.dist.rank :: p.dist.world_size]
+            mine = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(one_ticket(ticket, chosen, queued_before, mine), name=f"ticket-{ticket}")
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            queued_before, ticket = mine, ticket + 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+async def train_one_step(
+    cfg: Config, p: Parts, buffer: StalenessBuffer[Group], publisher: Publisher, step: int, per_rank: int
+) -> dict[str, float]:
+    t0 = time.perf_counter()
+    taken = await buffer.take(per_rank, trainer_version=step - 1)
+    t1 = time.perf_counter()
+    groups = [item.item for item in taken]
+    batch, rewards, stats = to_train_batch(cfg, p, groups)
+    step_metrics = await asyncio.to_thread(
+        train_step, p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer, scheduler=p.scheduler
     )
+    t2 = time.perf_counter()
+    await publisher.publish(step)
+    t3 = time.perf_counter()
+    metrics = {
+        "step": step,
+        **rollout_metrics(p, groups, [step - 1 - item.version for item in taken], rewards, stats, batch),
+        **reward_metrics(groups),
+        **step_metrics,
+        "buffer/dropped_groups": float(buffer.stats.dropped),
+        "buffer/size": float(len(buffer)),
+        "timing/wait_rollout": t1 - t0,
+        "timing/train": t2 - t1,
+        "timing/weight_save": t3 - t2,
+        "timing/weight_sync": publisher.last_sync_s,
+        "timing/step": t3 - t0,
+    }
+    return metrics
 
 
-def rollout(p: Parts, chosen: list[int], seed: int) -> tuple[list[Completion], list[Score], dict]:
-    """Generate `group_size` completions of each chosen prompt (prompt-major) and score them."""
-    completions = p.generate([p.train.ids[i] for i in chosen], replace(p.sampling, seed=seed))
-    rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
-    scores, reward_metrics = score_texts(p.runner, rows, [p.decode(c.output_ids) for c in completions])
-    return completions, scores, reward_metrics
-
-
-def to_train_batch(
-    cfg: Config, p: Parts, completions: list[Completion], scores: list[Score]
-) -> tuple[TrainBatch, torch.Tensor, dict]:
+def to_train_batch(cfg: Config, p: Parts, groups: list[Group]) -> tuple[TrainBatch, torch.Tensor, dict]:
     """Group advantages → the padded TrainBatch of the groups worth training on."""
-    group_size = cfg.rollout.group_size
-    rewards = torch.tensor([s.reward for s in scores], dtype=torch.float32).view(-1, group_size)
+    rewards = torch.tensor([[s.reward for s in g.scores] for g in groups], dtype=torch.float32)
     advantages, stats = group_advantages(rewards, scale_by_std=cfg.advantage.scale_by_std)
     keep = list(range(rewards.shape[0]))
     if cfg.advantage.drop_zero_variance_groups:
         # A rank with no informative group keeps one (advantage 0) so it still joins the step's collectives.
         keep = informative_groups(rewards).nonzero().flatten().tolist() or [0]
-    kept = [completions[g * group_size + j] for g in keep for j in range(group_size)]
     batch = build_train_batch(
-        kept,
+        [c for g in keep for c in groups[g].completions],
         advantages[keep].flatten().tolist(),
         pad_id=p.tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,
@@ -239,21 +275,18 @@ def to_train_batch(
 
 
 def rollout_metrics(
-    p: Parts,
-    completions: list[Completion],
-    scores: list[Score],
-    rewards: torch.Tensor,
-    stats: dict,
-    batch: TrainBatch,
-    trainer_version: int,
+    p: Parts, groups: list[Group], lags: list[int], rewards: torch.Tensor, stats: dict, batch: TrainBatch
 ) -> dict[str, float]:
-    """Rollout statistics summed over ranks, so every number is global.
+    """Statistics of the groups a step trained on, summed over ranks, so every number is global.
 
     Policy lag = trainer version (optimizer steps taken before this one) − the version that generated the
-    completion; 0 throughout a synchronous run, and the check that the engine really holds the pushed weights.
+    group; `rollout/policy_lag/frac_k` is the share of groups at lag k (the lag histogram).
     """
-    lags = [trainer_version - c.policy_version for c in completions]
+    completions = [c for g in groups for c in g.completions]
+    scores = [s for g in groups for s in g.scores]
+    max_lag = p.cfg.rollout.max_lag
     lag_max = p.reducer.max_(torch.tensor([max(lags)], dtype=torch.float64)).item()
+    histogram = [float(sum(lag == k for lag in lags)) for k in range(max_lag + 1)]
     sums = torch.tensor(
         [
             float(rewards.sum()),
@@ -264,10 +297,12 @@ def rollout_metrics(
             float(sum(c.finish_reason == "length" for c in completions)),
             float(batch.batch_size),
             float(sum(lags)),
+            float(len(lags)),
+            *histogram,
         ],
         dtype=torch.float64,
     )
-    reward, correct, n, length, zero_var, truncated, trained, lag = p.reducer.sum_(sums).tolist()
+    reward, correct, n, length, zero_var, truncated, trained, lag, num_groups, *hist = p.reducer.sum_(sums).tolist()
     return {
         "reward/mean": reward / n,
         "reward/correct": correct / n,
@@ -276,125 +311,186 @@ def rollout_metrics(
         "rollout/truncated_frac": truncated / n,
         "rollout/trained_frac": trained / n,
         "advantage/zero_variance_groups": zero_var,
-        "rollout/policy_lag/mean": lag / n,
+        "rollout/policy_lag/mean": lag / num_groups,
         "rollout/policy_lag/max": lag_max,
+        **{f"rollout/policy_lag/frac_{k}": count / num_groups for k, count in enumerate(hist)},
     }
 
 
-class Evaluator:
-    """Held-out sampled pass@1 at the training temperature (+ greedy), the same prompts and seed each time."""
+def reward_metrics(groups: list[Group]) -> dict[str, float]:
+    """This rank's scoring metrics, averaged over the tickets its groups came from."""
+    by_ticket = {g.ticket: g.reward_metrics for g in groups}
+    keys = {k for m in by_ticket.values() for k in m if k != "reward/mean"}
+    return {k: sum(m.get(k, 0.0) for m in by_ticket.values()) / len(by_ticket) for k in sorted(keys)}
 
-    def __init__(self, cfg: Config, p: Parts):
-        self.cfg, self.p = cfg, p
-        self.results: dict[int, dict[str, EvalResult]] = {}
-        self.history: list[dict[str, float]] = []
 
-    def __call__(self, step: int) -> dict[str, float]:
-        cfg, p, t0 = self.cfg, self.p, time.perf_counter()
-        base = replace(p.sampling, seed=cfg.run.seed + 17)
-        runs = {"sampled": replace(base, n=cfg.eval.samples_per_prompt)}
-        if cfg.eval.greedy:
-            runs["greedy"] = replace(base, n=1, temperature=0.0, top_p=1.0)
-        self.results[step] = {
-            name: evaluate(p.generate, p.eval.rows, p.eval.ids, p.decode, p.runner, params, p.reducer)
-            for name, params in runs.items()
-        }
-        sampled = self.results[step]["sampled"]
+class Utilisation:
+    """Fraction of each step's wall time that rollouts were generating and that the trainer was training."""
+
+    def __init__(self, p: Parts):
+        self.p = p
+        self.restart()
+
+    def restart(self) -> None:
+        self.t0, self.busy0 = time.perf_counter(), self.p.fleet.busy.read()
+
+    def read(self, train_s: float) -> dict[str, float]:
+        wall = max(time.perf_counter() - self.t0, 1e-9)
         out = {
-            "step": step,
-            "eval/accuracy": sampled.accuracy,
-            "eval/accuracy_se": sampled.stderr,
-            "eval/samples": sampled.samples,
+            "rollout/utilisation": (self.p.fleet.busy.read() - self.busy0) / wall,
+            "train/utilisation": train_s / wall,
+            "rollout/server_restarts": float(self.p.fleet.restarts),
+            "rollout/resubmits": float(self.p.fleet.resubmits),
+            "timing/step": wall,
         }
-        if "greedy" in self.results[step]:
-            out["eval/greedy_accuracy"] = self.results[step]["greedy"].accuracy
-        out["timing/eval"] = time.perf_counter() - t0
-        p.tracker.log_metrics(out, step=step)
-        self.history.append(out)
+        self.restart()
         return out
 
 
-def push_weights(p: Parts, version: int) -> None:
-    """Hand the trainer's weights to the engine as policy `version`: in memory, or through a directory."""
-    if isinstance(p.engine, EmbeddedEngine):
-        source = WeightSource(state_dict=full_state_dict(p.model))
-    else:  # every rank writes its own copy for its own server (saving gathers the full weights on all ranks)
-        source = WeightSource(path=save_hf_checkpoint(p.model, p.tokenizer, p.weights_dir, is_main=True))
-    p.aio.run(p.engine.update_weights(source, version=version))
+# ---------------------------------------------------------------------------------------------- weights
 
 
-def run(cfg: Config) -> dict:
-    t_start = time.perf_counter()
-    p = setup(cfg)
-    try:
-        return train(cfg, p, t_start)
-    finally:
-        p.close()
+class Publisher:
+    """Hands each new policy version to the rollout engines.
 
+    `publish(version)` saves the weights (they must be copied before the next step changes them) and returns;
+    the push to the servers runs in the background, one version after another, and advances the clock when
+    every server holds the version. Versions live in `weights/v<N>/`; the two newest stay on disk (a server
+    restarted by the watchdog loads the newest). The embedded engine gets the state dict in memory.
+    """
 
-def train(cfg: Config, p: Parts, t_start: float) -> dict:
-    evaluator = Evaluator(cfg, p)
-    first = evaluator(0)
-    if p.dist.is_main:
-        log.info(
-            "step 0: held-out sampled pass@1 %.2f%% ± %.2f, greedy %.2f%%",
-            100 * first["eval/accuracy"],
-            100 * first["eval/accuracy_se"],
-            100 * first.get("eval/greedy_accuracy", float("nan")),
-        )
+    def __init__(self, cfg: Config, p: Parts, clock: PolicyClock, generated: Watermark):
+        self.cfg, self.p, self.clock, self.generated = cfg, p, clock, generated
+        self.last_sync_s = 0.0
+        """Seconds the latest completed push took (save excluded)."""
+        self._task: asyncio.Task | None = None
 
-    sampler = PromptSampler(len(p.train.rows), cfg.run.seed)
-    history: list[dict[str, float]] = []
-    bar = tqdm(range(1, cfg.run.steps + 1), desc="train", disable=not p.dist.is_main, dynamic_ncols=True)
-    for step in bar:
+    async def connect(self) -> None:
+        """Wait for the servers, and hand a resumed run's weights to servers it did not start."""
+        fleet = self.p.fleet
+        if fleet.http:
+            await fleet.engine.wait_healthy()
+        if fleet.latest is not None and not fleet.servers:
+            path, version = fleet.latest
+            await fleet.publish(WeightSource(path=path), version)
+
+    async def publish(self, version: int) -> None:
+        if self.p.fleet.http:
+            path = self.p.weights_dir / f"v{version}"
+            await asyncio.to_thread(save_hf_checkpoint, self.p.model, self.p.tokenizer, path, is_main=True)
+            source = WeightSource(path=path)
+        else:
+            source = WeightSource(state_dict=await asyncio.to_thread(full_state_dict, self.p.model))
+        previous = self._task
+        self._task = asyncio.create_task(self._push(previous, source, version), name=f"publish-{version}")
+        if self.cfg.rollout.max_lag == 0:
+            await self.flush()  # synchronous: nothing to overlap with
+
+    async def _push(self, previous: asyncio.Task | None, source: WeightSource, version: int) -> None:
+        if previous is not None:
+            await previous
+        if self.cfg.rollout.exact_lag:
+            await self.generated.wait_for(publish_gate(version, self.cfg.rollout.max_lag))
         t0 = time.perf_counter()
-        chosen = sampler.take(cfg.rollout.prompts_per_step)[p.dist.rank :: p.dist.world_size]
-        completions, scores, reward_metrics = rollout(
-            p, chosen, seed=cfg.run.seed * 100_003 + step * 64 + p.dist.rank
-        )
-        t1 = time.perf_counter()
-        batch, rewards, stats = to_train_batch(cfg, p, completions, scores)
-        step_metrics = train_step(
-            p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer, scheduler=p.scheduler
-        )
-        t2 = time.perf_counter()
-        push_weights(p, version=step)
-        t3 = time.perf_counter()
+        await self.p.fleet.publish(source, version)
+        self.last_sync_s = time.perf_counter() - t0
+        await self.clock.advance(version)
+        if source.path is not None:
+            for old in self.p.weights_dir.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                    shutil.rmtree(old, ignore_errors=True)
 
-        metrics = {
-            "step": step,
-            **rollout_metrics(p, completions, scores, rewards, stats, batch, trainer_version=step - 1),
-            **{k: v for k, v in reward_metrics.items() if k != "reward/mean"},
-            **step_metrics,
-            "timing/rollout": t1 - t0,
-            "timing/train": t2 - t1,
-            "timing/weight_sync": t3 - t2,
-            "timing/step": t3 - t0,
-        }
-        metrics["throughput/samples_per_s"] = metrics["rollout/samples"] / metrics["timing/step"]
-        history.append(metrics)
-        p.tracker.log_metrics(metrics, step=step)
-        if cfg.eval.every and step % cfg.eval.every == 0 and step != cfg.run.steps:
-            evaluator(step)
-        bar.set_postfix(
-            reward=f"{metrics['reward/mean']:.3f}",
-            acc=f"{100 * evaluator.history[-1]['eval/accuracy']:.1f}",
-            ess=f"{metrics['loss/ess']:.3f}",
-            sps=f"{metrics['throughput/samples_per_s']:.0f}",
-        )
-    bar.close()
-    evaluator(cfg.run.steps)
-    return finish(cfg, p, evaluator, history, wall_s=time.perf_counter() - t_start)
+    async def flush(self) -> None:
+        if self._task is not None:
+            await self._task
+
+    async def close(self) -> None:
+        if self._task is not None and not self._task.done():
+            self._task.cancel()
+        if self._task is not None:
+            await asyncio.gather(self._task, return_exceptions=True)
 
 
-def finish(cfg: Config, p: Parts, evaluator: Evaluator, history: list[dict], wall_s: float) -> dict:
-    """Final checkpoint, summary.json, the plot, and their MLflow artifacts."""
-    checkpoint_dir = cfg.run.path / "checkpoints" / "final"
-    save_hf_checkpoint(p.model, p.tokenizer, checkpoint_dir, is_main=p.dist.is_main)
-    before, after = evaluator.results[0], evaluator.results[cfg.run.steps]
+# ---------------------------------------------------------------------------------------------- records
+
+
+async def checkpoint(
+    cfg: Config, p: Parts, evaluator: Evaluator, step: int, counters: dict, *, evaluated: bool
+) -> None:
+    """A complete training checkpoint, registered in MLflow as a model version, and old ones pruned."""
+    root = cfg.run.path / "checkpoints"
+    accuracy = evaluator.history[-1]["eval/accuracy"] if evaluated else None
+    state = {
+        "step": step,
+        "policy_version": step,
+        "data_cursor": step * cfg.rollout.prompts_per_step,
+        "mlflow_run_id": p.tracker.run_id,
+        "eval_accuracy": accuracy,
+        "counters": counters,
+        **evaluator.state(),
+    }
+    path = await asyncio.to_thread(
+        save_checkpoint,
+        step_dir(root, step),
+        model=p.model,
+        tokenizer=p.tokenizer,
+        optimizer=p.optimizer,
+        scheduler=p.scheduler,
+        state=state,
+        rank=p.dist.rank,
+        world_size=p.dist.world_size,
+    )
+    if not p.dist.is_main:
+        return
+    if cfg.tracking.log_model:
+        version = await asyncio.to_thread(
+            p.tracker.register_checkpoint,
+            path / "model",
+            name=cfg.tracking.registered_model or cfg.run.name,
+            step=step,
+            policy_version=step,
+            eval_accuracy=accuracy,
+        )
+        log.info("step %d: checkpoint %s (model version %s)", step, path, version)
+    best = _best_checkpoint(root)
+    prune_checkpoints(root, keep_last=cfg.checkpoint.keep_last, keep=(best,) if best else ())
+
+
+def _best_checkpoint(root):
+    from trainer.checkpoint import list_checkpoints
+
+    best, best_acc = None, float("-inf")
+    for _, path in list_checkpoints(root):
+        acc = json.loads((path / "state.json").read_text()).get("eval_accuracy")
+        if acc is not None and acc > best_acc:
+            best, best_acc = path, acc
+    return best
+
+
+def _append_history(cfg: Config, p: Parts, metrics: dict) -> None:
+    if p.dist.is_main:
+        with open(cfg.run.path / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+
+
+def _read_history(cfg: Config, upto: int) -> list[dict]:
+    """The per-step metrics of the steps a resumed run already did (later ones were lost with the crash)."""
+    path = cfg.run.path / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = {int(r["step"]): r for r in rows if int(r["step"]) <= upto}  # a step redone after the crash: last wins
+    path.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)))
+    return [kept[s] for s in sorted(kept)]
+
+
+def finish(
+    cfg: Config, p: Parts, evaluator: Evaluator, history: list[dict], counters: dict, last: int, wall_s: float
+) -> dict:
+    """summary.json, the plot, and their MLflow artifacts (the last checkpoint is already written)."""
+    before, after = evaluator.results[0], evaluator.results[last]
     gain, gain_se = paired_gain(before["sampled"], after["sampled"])
-    train_wall = sum(h["timing/step"] for h in history)
-    samples = sum(h["rollout/samples"] for h in history)
+    lags = [h["rollout/policy_lag/mean"] for h in history]
     summary = {
         "initial_accuracy": before["sampled"].accuracy,
         "final_accuracy": after["sampled"].accuracy,
@@ -406,26 +502,30 @@ def finish(cfg: Config, p: Parts, evaluator: Evaluator, history: list[dict], wal
         "eval_samples": before["sampled"].samples,
         "initial_greedy_accuracy": before["greedy"].accuracy if "greedy" in before else None,
         "final_greedy_accuracy": after["greedy"].accuracy if "greedy" in after else None,
-        "steps": cfg.run.steps,
+        "steps": last,
+        "max_lag": cfg.rollout.max_lag,
+        "mean_policy_lag": sum(lags) / len(lags) if lags else 0.0,
+        "dropped_groups": int(history[-1]["buffer/dropped_groups"]) if history else 0,
         "skipped_steps": int(sum(h["train/skipped"] for h in history)),
-        "train_samples": int(samples),
-        "samples_per_s": samples / train_wall,
+        "train_samples": int(counters["samples"]),
+        "samples_per_s": counters["samples"] / max(counters["train_wall_s"], 1e-9),
+        "rollout_utilisation": _mean(history, "rollout/utilisation"),
+        "train_utilisation": _mean(history, "train/utilisation"),
+        "server_restarts": p.fleet.restarts,
+        "resubmits": p.fleet.resubmits,
         "wall_s": wall_s,
-        "train_wall_s": train_wall,
+        "train_wall_s": counters["train_wall_s"],
         "world_size": p.dist.world_size,
         "model_dir": str(p.model_dir),
-        "checkpoint_dir": str(checkpoint_dir),
+        "checkpoint_dir": str(step_dir(cfg.run.path / "checkpoints", last) / "model"),
         "mlflow_run_id": p.tracker.run_id,
         "tracking_uri": p.tracker.tracking_uri,
+        "resumed_from_step": p.resume.step or None,
     }
     if p.dist.is_main:
         plot_path = cfg.run.path / "training.png"
-        plot_run(
-            history,
-            evaluator.history,
-            plot_path,
-            title=f"{cfg.run.name}: {cfg.objective.name}, lr {cfg.optim.lr:g}",
-        )
+        title = f"{cfg.run.name}: {cfg.objective.name}, lr {cfg.optim.lr:g}, max_lag {cfg.rollout.max_lag}"
+        plot_run(history, evaluator.history, plot_path, title=title)
         (cfg.run.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         p.tracker.log_metrics(
             {
@@ -433,14 +533,17 @@ def finish(cfg: Config, p: Parts, evaluator: Evaluator, history: list[dict], wal
                 "summary/accuracy_gain_se": gain_se,
                 "summary/samples_per_s": summary["samples_per_s"],
             },
-            step=cfg.run.steps,
+            step=last,
         )
         p.tracker.log_artifact(plot_path)
         p.tracker.log_artifact(cfg.run.path / "summary.json")
-        if cfg.tracking.log_model:
-            p.tracker.log_artifact(checkpoint_dir, artifact_path="model")
     p.tracker.finish()
     return summary
+
+
+def _mean(history: list[dict], key: str) -> float:
+    values = [h[key] for h in history if key in h]
+    return sum(values) / len(values) if values else 0.0
 
 
 def summary_lines(summary: dict) -> list[str]:
@@ -457,6 +560,10 @@ def summary_lines(summary: dict) -> list[str]:
         f" {summary['eval_samples']} samples each)",
         f"held-out greedy accuracy: {pct(summary['initial_greedy_accuracy'])} → "
         f"{pct(summary['final_greedy_accuracy'])}",
-        f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s, wall {summary['wall_s']:.0f} s",
+        f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s (max_lag {summary['max_lag']}, "
+        f"mean lag {summary['mean_policy_lag']:.2f}, {summary['dropped_groups']} groups dropped), "
+        f"wall {summary['wall_s']:.0f} s",
+        f"rollout busy {100 * summary['rollout_utilisation']:.0f}% / train busy "
+        f"{100 * summary['train_utilisation']:.0f}% of step time",
         f"MLflow run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
     ]

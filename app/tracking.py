@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from pathlib import Path
 
 from app.config import Config, TrackingConfig, flatten, to_yaml
@@ -41,59 +42,126 @@ def default_tracking_uri(runs_root: Path = DEFAULT_RUNS_ROOT) -> str:
 
 
 class Tracker:
-    """A thin wrapper over one active MLflow run."""
+    """One MLflow run, written through ``MlflowClient`` with an explicit run id.
 
-    def __init__(self, cfg: TrackingConfig, run_dir: Path, *, run_name: str, enabled: bool = True):
+    The client API (not ``mlflow.log_*``) because MLflow's active run is per thread, and the loop logs from
+    worker threads (evaluation, checkpoints). Only rank 0 tracks; other ranks get a Tracker whose methods do
+    nothing (``enabled=False``).
+    """
+
+    def __init__(
+        self,
+        cfg: TrackingConfig,
+        run_dir: Path,
+        *,
+        run_name: str,
+        enabled: bool = True,
+        resume_run_id: str | None = None,
+    ):
+        """Start a new MLflow run, or continue run ``resume_run_id`` (its metrics then go on from where they
+        stopped: the caller logs at the steps that follow the checkpoint)."""
         self.enabled = enabled
         self.run_id: str | None = None
+        self._resumed = bool(resume_run_id)  # params are immutable in MLflow: a resumed run keeps its own
         # The default store sits beside the run directory (runs/mlflow.db for runs/<name>), shared by its siblings.
         self.tracking_uri = cfg.uri or default_tracking_uri(run_dir.parent)
-        self._cfg = cfg
         if not enabled:
             return
-        mlflow = _import_mlflow()
-        mlflow.set_tracking_uri(self.tracking_uri)
-        experiment = mlflow.get_experiment_by_name(cfg.experiment)
-        if experiment is None:
-            # A local store keeps artifacts beside the database, inside the run directory.
-            location = None if cfg.uri else (run_dir.parent / "mlartifacts").resolve().as_uri()
-            experiment_id = mlflow.create_experiment(cfg.experiment, artifact_location=location)
+        _import_mlflow()
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        if resume_run_id:
+            run = self.client.get_run(resume_run_id)
+            self.client.update_run(resume_run_id, status="RUNNING")
         else:
-            experiment_id = experiment.experiment_id
-        self._run = mlflow.start_run(experiment_id=experiment_id, run_name=run_name)
-        self.run_id = self._run.info.run_id
+            experiment = self.client.get_experiment_by_name(cfg.experiment)
+            if experiment is None:
+                # A local store keeps artifacts beside the database, next to the run directories.
+                location = None if cfg.uri else (run_dir.parent / "mlartifacts").resolve().as_uri()
+                experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=location)
+            else:
+                experiment_id = experiment.experiment_id
+            run = self.client.create_run(
+                experiment_id,
+                run_name=run_name,
+                tags={"trustbatch.run_dir": str(run_dir.resolve()), "mlflow.runName": run_name},
+            )
+        self.run_id = run.info.run_id
+        self.artifact_uri = run.info.artifact_uri
 
     def log_config(self, config: Config) -> None:
-        if not self.enabled:
+        if not self.enabled or self._resumed:
             return
-        mlflow = _import_mlflow()
         params = {k: ("" if v is None else str(v))[:6000] for k, v in flatten(config).items()}
-        items = list(params.items())
+        from mlflow.entities import Param
+
+        items = [Param(k, v) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-            mlflow.log_params(dict(items[i : i + 100]))
-        mlflow.log_text(to_yaml(config), "config.yaml")
+            self.client.log_batch(self.run_id, params=items[i : i + 100])
+        self.client.log_text(self.run_id, to_yaml(config), "config.yaml")
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
-        clean = {}
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        clean = []
         for k, v in metrics.items():
             v = float(v)
             if math.isfinite(v):
                 # MLflow metric names allow / . - _ and spaces; ours are already namespaced with '/'.
-                clean[k] = v
-        if clean:
-            _import_mlflow().log_metrics(clean, step=step)
+                clean.append(Metric(k, v, now, step))
+        for i in range(0, len(clean), 1000):  # MLflow caps a batch at 1000 metrics
+            self.client.log_batch(self.run_id, metrics=clean[i : i + 1000])
 
     def log_artifact(self, path: Path, artifact_path: str | None = None) -> None:
         if not self.enabled:
             return
-        mlflow = _import_mlflow()
         if path.is_dir():
-            mlflow.log_artifacts(str(path), artifact_path=artifact_path)
+            self.client.log_artifacts(self.run_id, str(path), artifact_path=artifact_path)
         else:
-            mlflow.log_artifact(str(path), artifact_path=artifact_path)
+            self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
+
+    def register_checkpoint(
+        self, model_dir: Path, *, name: str, step: int, policy_version: int, eval_accuracy: float | None
+    ) -> str | None:
+        """Log an HF checkpoint directory as run artifacts and register it as a new version of model ``name``.
+
+        Tags: step, policy_version, eval_accuracy (when the checkpoint was evaluated), run_id. Alias ``best``
+        when its eval_accuracy beats every other version of ``name`` that has one. ``latest`` needs no alias:
+        MLflow reserves that name for the newest version (``models:/NAME/latest``; `trustbatch serve` also
+        accepts ``models:/NAME@latest``). Returns the version number (None when tracking is off on this rank).
+        """
+        if not self.enabled:
+            return None
+        from mlflow.exceptions import MlflowException
+
+        artifact_path = f"checkpoints/step-{step:06d}"
+        self.log_artifact(model_dir, artifact_path=artifact_path)
+        try:
+            self.client.get_registered_model(name)
+        except MlflowException:
+            self.client.create_registered_model(
+                name, description="Checkpoints of trustbatch RL runs (HF format: safetensors + config + tokenizer)."
+            )
+        tags = {"step": str(step), "policy_version": str(policy_version), "run_id": self.run_id}
+        if eval_accuracy is not None:
+            tags["eval_accuracy"] = f"{eval_accuracy:.6f}"
+        source = f"{self.artifact_uri}/{artifact_path}"
+        version = str(self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags).version)
+        if eval_accuracy is not None and eval_accuracy > self._best_accuracy(name, exclude=version):
+            self.client.set_registered_model_alias(name, "best", version)
+        return version
+
+    def _best_accuracy(self, name: str, *, exclude: str) -> float:
+        best = float("-inf")
+        for mv in self.client.search_model_versions(f"name='{name}'"):
+            if str(mv.version) != exclude and "eval_accuracy" in mv.tags:
+                best = max(best, float(mv.tags["eval_accuracy"]))
+        return best
 
     def finish(self, status: str = "FINISHED") -> None:
         if self.enabled and self.run_id is not None:
-            _import_mlflow().end_run(status=status)
+            self.client.set_terminated(self.run_id, status=status)

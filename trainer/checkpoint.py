@@ -1,17 +1,80 @@
-"""Checkpoints in Hugging Face format (safetensors + config + tokenizer), loadable by transformers and SGLang.
+"""Checkpoints: Hugging Face weights for serving, plus the full trainer state for resuming.
 
-Written atomically: into a temporary sibling directory, then renamed into place, with a completion marker,
-so a crash never leaves a partial directory under the final name.
+Two kinds of directory, both written atomically — into a hidden temporary sibling, renamed into place once
+complete, with a ``COMPLETE`` marker written last — so a crash (even SIGKILL) never leaves a partial directory
+under a final name, and a directory without the marker is never loaded:
+
+- ``save_hf_checkpoint(model, tokenizer, dir)``: ``model.safetensors`` + ``config.json`` + tokenizer files,
+  loadable by ``transformers.AutoModelForCausalLM.from_pretrained`` and by SGLang.
+- ``save_checkpoint(dir, ...)``: a training checkpoint, ``step-<N>/`` under a run's ``checkpoints/``::
+
+      model/          the HF weights above (what serving, evaluation and the model registry use)
+      trainer/        model + optimizer state through torch.distributed.checkpoint (sharded under FSDP2,
+                      each rank writes its own shard; reloads under any world size)
+      state.json      step, policy version, data cursor, scheduler state, RNG states of every rank, and
+                      whatever the caller adds (the MLflow run id, evaluation results)
+      COMPLETE
+
+``load_checkpoint`` restores the model, the optimizer, the schedule and this rank's RNG states, and returns the
+``state.json`` dict. ``latest_checkpoint`` finds the newest complete one; ``prune_checkpoints`` keeps the last K
+plus any the caller names (the best). Every function that touches a sharded model is a collective: all ranks
+call it, in the same order.
 """
 
 from __future__ import annotations
 
+import json
+import random
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from trainer.distributed import full_state_dict
+import torch
+
+from trainer.distributed import barrier, broadcast_object, full_state_dict
 
 COMPLETE_MARKER = "COMPLETE"
+
+
+@dataclass
+class CheckpointConfig:
+    """When training checkpoints are written and how many are kept (``checkpoint.*``)."""
+
+    every: int = 100
+    """Write a checkpoint every N optimizer steps (and always after the last one); 0 = only after the last.
+    Align it with eval.every so each checkpoint carries its held-out accuracy (needed for the `best` alias)."""
+    keep_last: int = 2
+    """Keep the newest K checkpoints on disk (plus the best evaluated one); older ones are deleted. Versions
+    registered in MLflow keep their own copy of the weights."""
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise ValueError(f"checkpoint.every must be >= 0 (0 = only after the last step), got {self.every}")
+        if self.keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1 (resuming needs one), got {self.keep_last}")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Mark ``tmp`` complete and move it to ``path`` (replacing an older directory of that name)."""
+    (tmp / COMPLETE_MARKER).write_text("ok\n")
+    if path.exists():
+        shutil.rmtree(path)
+    tmp.rename(path)
+
+
+def _write_hf(model, tokenizer, state_dict: dict[str, torch.Tensor], out: Path) -> None:
+    if getattr(model.config, "tie_word_embeddings", False):
+        # Tied output weights are the embedding itself; save_pretrained given a state dict would write both.
+        state_dict.pop("lm_head.weight", None)
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    tokenizer.save_pretrained(out)
 
 
 def save_hf_checkpoint(model, tokenizer, path: Path, *, is_main: bool = True) -> Path:
@@ -19,21 +82,181 @@ def save_hf_checkpoint(model, tokenizer, path: Path, *, is_main: bool = True) ->
     state_dict = full_state_dict(model)
     if not is_main:
         return path
-    if getattr(model.config, "tie_word_embeddings", False):
-        # Tied output weights are the embedding itself; save_pretrained given a state dict would write both.
-        state_dict.pop("lm_head.weight", None)
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = _tmp_sibling(path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    (tmp / COMPLETE_MARKER).write_text("ok\n")
-    if path.exists():
-        shutil.rmtree(path)
-    tmp.rename(path)
+    _write_hf(model, tokenizer, state_dict, tmp)
+    _publish(tmp, path)
     return path
 
 
 def is_complete(path: Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file()
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _dcp_state(model, optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_checkpoint(
+    path: Path,
+    *,
+    model,
+    tokenizer,
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    state: dict[str, Any],
+    rank: int = 0,
+    world_size: int = 1,
+) -> Path:
+    """Write a complete training checkpoint at ``path`` (a collective under FSDP; rank 0 publishes it).
+
+    ``state`` must be JSON-serialisable; ``step``, ``scheduler`` and the RNG states are added here.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(path)
+    tmp = _tmp_sibling(path)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    barrier()
+    weights = full_state_dict(model)  # collective: every rank gathers
+    dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(tmp / "trainer"))
+    rngs = _gather_rng_states(rank, world_size)
+    if rank == 0:
+        _write_hf(model, tokenizer, weights, tmp / "model")
+        (tmp / "model" / COMPLETE_MARKER).write_text("ok\n")
+        torch.save(rngs, tmp / "rng.pt")
+        full = {**state, "scheduler": scheduler.state_dict(), "world_size": world_size}
+        (tmp / "state.json").write_text(json.dumps(full, indent=2, default=_json_default) + "\n")
+        _publish(tmp, path)
+    barrier()
+    return path
+
+
+def _gather_rng_states(rank: int, world_size: int) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+
+    mine = rng_state()
+    if world_size == 1 or not dist.is_initialized():
+        return [mine]
+    out: list[Any] = [None] * world_size
+    dist.all_gather_object(out, mine)
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"checkpoint state holds a {type(value).__name__}, which JSON cannot store")
+
+
+def load_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer, scheduler, rank: int = 0) -> dict:
+    """Restore model, optimizer, schedule and this rank's RNG states from ``path``; returns ``state.json``.
+
+    Raises ValueError for a directory that is not a complete checkpoint. A checkpoint written by another
+    world size restores the weights and optimizer (DCP reshards); RNG states then come from rank 0's.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    path = Path(path)
+    if not is_complete(path) or not (path / "state.json").is_file():
+        raise ValueError(
+            f"{path} is not a complete trustbatch checkpoint (no {COMPLETE_MARKER} marker or state.json); "
+            "a run killed while writing leaves only a hidden .tmp directory, which is never loaded"
+        )
+    _init_optimizer_state(optimizer)
+    target = _dcp_state(model, optimizer)
+    dcp.load(target, checkpoint_id=str(path / "trainer"))
+    set_state_dict(
+        model, optimizer, model_state_dict=target["model"], optim_state_dict=target["optimizer"]
+    )
+    state = json.loads((path / "state.json").read_text())
+    scheduler.load_state_dict(state["scheduler"])
+    rngs = torch.load(path / "rng.pt", weights_only=False)
+    set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
+    return state
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give a fresh optimizer its state tensors (zeros) so DCP has something of the right shape to load into."""
+    if optimizer.state:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()  # AdamW with lr 0 creates exp_avg/exp_avg_sq/step; the values are overwritten by the load
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(step, dir) of every complete ``step-N`` checkpoint under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = _STEP_DIR.match(child.name)
+        if match and child.is_dir() and is_complete(child):
+            found.append((int(match.group(1)), child))
+    return sorted(found)
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1][1] if found else None
+
+
+def prune_checkpoints(root: Path, *, keep_last: int, keep: tuple[Path, ...] = ()) -> list[Path]:
+    """Delete complete checkpoints under ``root`` except the newest ``keep_last`` and those in ``keep``;
+    also removes leftover ``.tmp`` directories of interrupted writes. Returns what was deleted."""
+    root = Path(root)
+    found = list_checkpoints(root)
+    protected = {p.resolve() for _, p in found[-keep_last:]} if keep_last > 0 else set()
+    protected |= {Path(p).resolve() for p in keep}
+    removed = []
+    for _, child in found:
+        if child.resolve() not in protected:
+            shutil.rmtree(child)
+            removed.append(child)
+    for tmp in root.glob(".step-*.tmp") if root.is_dir() else ():
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    return removed
+
+
+def agree(value: Any) -> Any:
+    """Rank 0's value on every rank (e.g. which checkpoint to resume from)."""
+    return broadcast_object(value)

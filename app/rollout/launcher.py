@@ -3,6 +3,9 @@
 `rollout.engine=local` starts one per rank on a free loopback port and talks to it through the same SGLang
 client as real SGLang servers (`rollout.engine=sglang`, which connects to `rollout.sglang.urls`). The child
 dies with the run: it is terminated in `stop()`, and also when the parent exits (PR_SET_PDEATHSIG).
+`start()` may be called again after the child died or was killed: it comes back on the same port, serving
+`model_dir` labelled `weight_version` (the supervisor in app/rollout/fleet.py points both at the newest
+published weights first).
 """
 
 from __future__ import annotations
@@ -32,8 +35,12 @@ def _die_with_parent() -> None:
 class LocalServerProcess:
     """One `trustbatch rollout-server` child process serving `model_dir` on 127.0.0.1."""
 
-    def __init__(self, model_dir: Path, *, max_batch_size: int, log_path: Path, port: int = 0):
+    def __init__(
+        self, model_dir: Path, *, max_batch_size: int, log_path: Path, port: int = 0, weight_version: str = "0"
+    ):
         self.model_dir, self.max_batch_size, self.log_path = Path(model_dir), max_batch_size, Path(log_path)
+        self.weight_version = weight_version
+        """SGLang weight-version label of the weights at `model_dir`; a restart may point both elsewhere."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
@@ -56,6 +63,8 @@ class LocalServerProcess:
                     str(self.port),
                     "--max-batch-size",
                     str(self.max_batch_size),
+                    "--weight-version",
+                    str(self.weight_version),
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -64,8 +73,18 @@ class LocalServerProcess:
             )
         return self.url
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.process is None else self.process.pid
+
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
+
+    def kill(self) -> None:
+        """SIGKILL (a hung server may ignore SIGTERM) and reap it."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
 
     def stop(self, timeout_s: float = 10.0) -> None:
         if self.process is None or self.process.poll() is not None:

@@ -1,6 +1,7 @@
 """The whole synchronous loop for a few steps: real tiny model, real math-verify, real SQLite MLflow store."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ def small_config(tmp_path, model_dir, *extra):
             f"model.path={model_dir}",
             "eval.samples_per_prompt=2",
             "eval.every=2",
+            "checkpoint.every=2",
             "rollout.prompts_per_step=8",
             "rollout.group_size=4",
             "trainer.micro_batch_size=8",
@@ -76,7 +78,24 @@ def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
     ):
         assert key in mlflow_run.data.metrics, key
     artifacts = {a.path for a in client.list_artifacts(mlflow_run.info.run_id)}
-    assert {"config.yaml", "model", "training.png", "summary.json"} <= artifacts
+    assert {"config.yaml", "checkpoints", "training.png", "summary.json"} <= artifacts
+
+    # Every checkpoint (checkpoint.every=2: steps 2 and 3) is a model version with its tags; `best` points at
+    # the version with the highest held-out accuracy, and `models:/NAME/latest` at the newest.
+    versions = sorted(client.search_model_versions("name='quickstart'"), key=lambda v: int(v.version))
+    assert [v.tags["step"] for v in versions] == ["2", "3"]
+    assert all(v.tags["run_id"] == summary["mlflow_run_id"] for v in versions)
+    accuracies = [float(v.tags["eval_accuracy"]) for v in versions]
+    best = client.get_model_version_by_alias("quickstart", "best")
+    assert float(best.tags["eval_accuracy"]) == max(accuracies)
+    assert best.version == versions[accuracies.index(max(accuracies))].version
+    local = tmp_path / "downloaded"
+    from mlflow.artifacts import download_artifacts
+
+    source = client.get_model_version_download_uri("quickstart", versions[-1].version)
+    model_dir = Path(download_artifacts(artifact_uri=source, dst_path=str(local)))
+    assert model_dir.name == "step-000003"
+    assert AutoModelForCausalLM.from_pretrained(model_dir).num_parameters() > 0
 
     # The final checkpoint is a plain HF directory whose weights moved away from the start.
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -85,13 +104,51 @@ def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
     assert any(moved)
 
 
-def test_loop_is_reproducible_with_fixed_seeds(tmp_path, tiny_model_dir):
-    a = run(small_config(tmp_path / "a", tiny_model_dir, "run.steps=2", "eval.greedy=false"))
-    b = run(small_config(tmp_path / "b", tiny_model_dir, "run.steps=2", "eval.greedy=false"))
+def final_weights(summary):
+    return AutoModelForCausalLM.from_pretrained(summary["checkpoint_dir"]).state_dict()
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["rollout.max_lag=0"],  # synchronous, through the CPU rollout server
+        ["rollout.max_lag=2", "rollout.exact_lag=true", "run.steps=4"],  # asynchronous, lag forced to exactly 2
+    ],
+    ids=["sync", "exact-lag-2"],
+)
+def test_loop_is_reproducible_with_fixed_seeds(tmp_path, tiny_model_dir, mode):
+    a = run(small_config(tmp_path / "a", tiny_model_dir, "run.steps=2", "eval.greedy=false", *mode))
+    b = run(small_config(tmp_path / "b", tiny_model_dir, "run.steps=2", "eval.greedy=false", *mode))
     assert a["final_accuracy"] == b["final_accuracy"]
-    wa = AutoModelForCausalLM.from_pretrained(a["checkpoint_dir"]).state_dict()
-    wb = AutoModelForCausalLM.from_pretrained(b["checkpoint_dir"]).state_dict()
+    wa, wb = final_weights(a), final_weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sync_loop_gives_the_same_weights_through_the_http_server_and_in_process(tmp_path, tiny_model_dir):
+    """max_lag=0 over SGLang's HTTP API (the CPU rollout server) trains exactly like the in-process engine:
+    same samples, same behaviour logprobs, same weights after the last step."""
+    common = ["run.steps=2", "eval.greedy=false", "rollout.max_lag=0"]
+    http = run(small_config(tmp_path / "http", tiny_model_dir, *common, "rollout.engine=local"))
+    embedded = run(small_config(tmp_path / "embedded", tiny_model_dir, *common, "rollout.engine=embedded"))
+    assert http["final_accuracy"] == embedded["final_accuracy"]
+    wa, wb = final_weights(http), final_weights(embedded)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def lag_history(summary) -> list[float]:
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    lags = client.get_metric_history(summary["mlflow_run_id"], "rollout/policy_lag/max")
+    return [m.value for m in sorted(lags, key=lambda m: m.step)]
+
+
+def test_exact_lag_trains_each_step_on_samples_exactly_k_versions_old(tmp_path, tiny_model_dir):
+    summary = run(
+        small_config(
+            tmp_path, tiny_model_dir, "rollout.max_lag=2", "rollout.exact_lag=true", "run.steps=5", "eval.every=0"
+        )
+    )
+    assert lag_history(summary) == [0.0, 1.0, 2.0, 2.0, 2.0]  # min(k, step - 1): no older weights exist early on
+    assert summary["dropped_groups"] == 0
 
 
 def test_loop_trains_on_a_user_jsonl_file_with_prompts_and_chat_messages(tmp_path, tiny_model_dir):
@@ -117,21 +174,27 @@ def test_loop_trains_on_a_user_jsonl_file_with_prompts_and_chat_messages(tmp_pat
     summary = run(cfg)
     assert summary["steps"] == 2 and summary["eval_prompts"] == 10
     assert summary["eval_samples"] == 10 * 2
-    assert (tmp_path / "run" / "checkpoints" / "final" / "config.json").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step-000002" / "model" / "config.json").is_file()
 
 
-def test_loop_through_the_cpu_rollout_server_over_sglangs_http_api(tmp_path, tiny_model_dir):
-    """rollout.engine=local: the run starts `trustbatch rollout-server`, generates through the SGLang client
-    and pushes every new policy version with /update_weights_from_disk."""
-    cfg = small_config(tmp_path, tiny_model_dir, "rollout.engine=local", "run.steps=2", "eval.greedy=false")
+def test_async_loop_through_the_cpu_rollout_server_keeps_lag_within_the_bound(tmp_path, tiny_model_dir):
+    """The default: rollout.engine=local, max_lag=1. The run starts `trustbatch rollout-server`, generates
+    through the SGLang client while it trains, and pushes every version with /update_weights_from_disk."""
+    cfg = small_config(tmp_path, tiny_model_dir, "run.steps=4", "eval.greedy=false")
+    assert (cfg.rollout.engine, cfg.rollout.max_lag) == ("local", 1)
     summary = run(cfg)
-    assert summary["steps"] == 2
-    run_dir = tmp_path / "run"
+    assert summary["steps"] == 4 and summary["max_lag"] == 1
+    lags = lag_history(summary)
+    assert lags[0] == 0.0 and all(lag <= 1.0 for lag in lags)
+    assert summary["dropped_groups"] == 0
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
-    history = client.get_metric_history(summary["mlflow_run_id"], "timing/weight_sync")
-    assert sorted(m.step for m in history) == [1, 2]
-    # Step 2 was generated by policy version 1: the server really loaded the weights pushed after step 1.
-    lags = client.get_metric_history(summary["mlflow_run_id"], "rollout/policy_lag/max")
-    assert [m.value for m in sorted(lags, key=lambda m: m.step)] == [0.0, 0.0]
-    assert (run_dir / "weights" / "rank0" / "model.safetensors").is_file()
+    run_id = summary["mlflow_run_id"]
+    for key in ("timing/weight_sync", "rollout/utilisation", "train/utilisation", "rollout/policy_lag/frac_1"):
+        assert sorted(m.step for m in client.get_metric_history(run_id, key)) == [1, 2, 3, 4], key
+    for key in ("rollout/utilisation", "train/utilisation"):  # 0 when a step found its rollouts all done
+        values = [m.value for m in client.get_metric_history(run_id, key)]
+        assert all(0.0 <= v <= 1.0 + 1e-6 for v in values) and max(values) > 0, (key, values)
+    run_dir = tmp_path / "run"
+    # Two newest versions stay on disk for a restarted server; older ones are removed.
+    assert sorted(d.name for d in (run_dir / "weights" / "rank0").iterdir()) == ["v3", "v4"]
     assert (run_dir / "rollout-server-rank0.log").is_file()

@@ -1,0 +1,294 @@
+"""Everything a training run drives, built once: model, optimizer, rollout fleet, rewards, data, tracking.
+
+`setup(cfg)` returns the `Parts` that `app/loop.py` orchestrates, restored from a checkpoint when
+`cfg.resume` names an interrupted run (`find_resume`). Building order matters and is kept here, out of the
+loop: the process group first; the model (bootstrapped if asked); the rollout engines, started from the
+weights the run continues from; FSDP2 sharding; the optimizer; the checkpoint restore; MLflow last.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from app.bootstrap import ensure_model
+from app.config import Config, ConfigError, check_trainable, to_yaml
+from app.data import PromptRow, load_split
+from app.eval import EvalResult, evaluate
+from app.rollout.base import Completion, SamplingParams
+from app.rollout.embedded import EmbeddedEngine
+from app.rollout.fleet import Fleet
+from app.rollout.launcher import LocalServerProcess
+from app.rollout.sglang import SGLangClient
+from app.scoring import rewards_with_sandbox
+from app.tracking import Tracker, default_tracking_uri
+from rewards import check_tasks
+from rewards.runner import RewardRunner
+from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
+from trainer.model import encode_prompt, load_model
+from trainer.optim import build_optimizer
+
+log = logging.getLogger("trustbatch")
+
+
+class PromptSampler:
+    """Seeded epochs over the training prompts; `cursor` is the data position (for resumption)."""
+
+    def __init__(self, size: int, seed: int, cursor: int = 0):
+        self.size, self.seed, self.cursor = size, seed, cursor
+
+    def take(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            epoch, offset = divmod(self.cursor, self.size)
+            order = list(range(self.size))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            n = min(k - len(out), self.size - offset)
+            out += order[offset : offset + n]
+            self.cursor += n
+        return out
+
+
+@dataclass
+class Prompts:
+    rows: list[PromptRow]
+    ids: list[list[int]]
+
+
+@dataclass
+class Resume:
+    """Where a run starts: step 0 of a new run, or the last complete checkpoint of an interrupted one."""
+
+    step: int = 0
+    """Optimizer steps already taken (= the policy version of the weights the run starts from)."""
+    checkpoint: Path | None = None
+    state: dict = field(default_factory=dict)
+    """The checkpoint's state.json (empty for a new run)."""
+
+
+@dataclass
+class Parts:
+    """Everything the loop drives, built once by `setup`."""
+
+    cfg: Config
+    dist: DistInfo
+    reducer: Reducer
+    model_dir: Path
+    model: torch.nn.Module
+    tokenizer: object
+    fleet: Fleet
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    runner: RewardRunner
+    tracker: Tracker
+    train: Prompts
+    eval: Prompts
+    sampling: SamplingParams
+    resume: Resume
+    weights_dir: Path
+    """Where HTTP engines load each new policy version from (update_weights_from_disk), one folder a version."""
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def find_resume(cfg: Config) -> Resume:
+    """The checkpoint `cfg.resume` points at (a run directory or an MLflow run id), or a fresh start."""
+    if not cfg.resume:
+        return Resume()
+    run_dir = Path(cfg.resume)
+    if not run_dir.is_dir():
+        run_dir = _run_dir_of_mlflow_run(cfg, cfg.resume)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise ConfigError(
+            f"resume={cfg.resume}: no complete checkpoint under {run_dir / 'checkpoints'} (the run was "
+            "interrupted before its first checkpoint, or checkpoint.every=0); start it again without resume"
+        )
+    state = json.loads((checkpoint / "state.json").read_text())
+    return Resume(step=int(state["step"]), checkpoint=checkpoint, state=state)
+
+
+def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
+    from mlflow.exceptions import MlflowException
+    from mlflow.tracking import MlflowClient
+
+    uri = cfg.tracking.uri or default_tracking_uri(cfg.run.path.parent)
+    try:
+        run = MlflowClient(tracking_uri=uri).get_run(run_id)
+    except MlflowException as exc:
+        raise ConfigError(
+            f"resume={run_id}: not a directory, and not a run in the MLflow store {uri} ({exc.message}); "
+            "give the run directory (e.g. resume=runs/quickstart) or the run id shown at the end of training"
+        ) from None
+    run_dir = run.data.tags.get("trustbatch.run_dir")
+    if not run_dir or not Path(run_dir).is_dir():
+        raise ConfigError(f"resume={run_id}: MLflow run found, but its run directory {run_dir!r} is gone")
+    return Path(run_dir)
+
+
+def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> Fleet:
+    """The configured rollout engine under supervision; `local` first starts this rank's CPU rollout server."""
+    r = cfg.rollout
+    version = resume.step
+    if r.engine == "embedded":
+        engine = EmbeddedEngine.from_pretrained(model_dir, max_batch_size=r.max_batch_size, policy_version=version)
+        return Fleet(engine, [], r.supervision, health_timeout_s=r.sglang.health_timeout_s)
+    servers, client_cfg = [], r.sglang
+    if r.engine == "local":
+        server = LocalServerProcess(
+            model_dir,
+            max_batch_size=r.max_batch_size,
+            log_path=cfg.run.path / f"rollout-server-rank{dist.rank}.log",
+            weight_version=str(version),
+        )
+        servers.append(server)
+        client_cfg = replace(
+            client_cfg, urls=[server.start()], health_timeout_s=min(client_cfg.health_timeout_s, 180.0)
+        )
+        log.info("rank %d: started the CPU rollout server at %s (log %s)", dist.rank, server.url, server.log_path)
+    client = SGLangClient(client_cfg, policy_version=version)
+    fleet = Fleet(client, servers, r.supervision, health_timeout_s=client_cfg.health_timeout_s)
+    if resume.checkpoint is not None and r.engine == "sglang":
+        fleet.latest = (resume.checkpoint / "model", version)  # pushed before the first rollout (loop.run)
+    return fleet
+
+
+def setup(cfg: Config) -> Parts:
+    """Build the run; the caller owns the returned Parts (close them) and awaits `fleet.engine` health."""
+    check_trainable(cfg)
+    resume = find_resume(cfg)
+    dist = init_distributed()
+    reducer = dist.reducer()
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    if dist.is_main:
+        cfg.run.path.mkdir(parents=True, exist_ok=True)
+        (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
+
+    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier)
+    model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
+    train_rows = load_split(cfg.data, "train")
+    eval_rows = load_split(cfg.data, "eval")[: cfg.eval.num_prompts]
+    check_tasks(cfg.rewards, {row.task for row in train_rows + eval_rows})
+
+    def prompts(rows: list[PromptRow]) -> Prompts:
+        return Prompts(rows, [encode_prompt(tokenizer, row.prompt, row.messages) for row in rows])
+
+    # Generation ends at EOS, and at the chat template's end-of-turn token when the tokenizer has one.
+    stop = {tokenizer.eos_token_id} | {
+        tokenizer.get_vocab()[t] for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
+    }
+    engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
+    fleet = make_fleet(cfg, engine_dir, dist, resume)
+    try:
+        if dist.world_size > 1:
+            shard_model(model)
+        model.train()
+        optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.run.steps)
+        if resume.checkpoint is not None:
+            load_checkpoint(resume.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, rank=dist.rank)
+            log.info("resuming %s from %s (step %d)", cfg.run.path, resume.checkpoint, resume.step)
+        tracker = Tracker(
+            cfg.tracking,
+            cfg.run.path,
+            run_name=cfg.run.name,
+            enabled=dist.is_main,
+            resume_run_id=resume.state.get("mlflow_run_id"),
+        )
+        tracker.log_config(cfg)
+        runner = RewardRunner(rewards_with_sandbox(cfg.rewards, cfg.sandbox))
+    except BaseException:
+        for server in fleet.servers:
+            server.stop()
+        raise
+    r = cfg.rollout
+    return Parts(
+        cfg=cfg,
+        dist=dist,
+        reducer=reducer,
+        model_dir=model_dir,
+        model=model,
+        tokenizer=tokenizer,
+        fleet=fleet,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        runner=runner,
+        tracker=tracker,
+        train=prompts(train_rows),
+        eval=prompts(eval_rows),
+        sampling=SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            n=r.group_size,
+            stop_token_ids=tuple(sorted(stop)),
+        ),
+        resume=resume,
+        weights_dir=cfg.run.path / "weights" / f"rank{dist.rank}",
+    )
+
+
+class Evaluator:
+    """Held-out sampled pass@1 at the training temperature (+ greedy), the same prompts and seed each time.
+
+    `generate` is a blocking call (the loop hands it one that submits to the fleet on the event loop), because
+    evaluation runs in a worker thread while rollouts of the next steps go on.
+    """
+
+    def __init__(self, cfg: Config, p: Parts):
+        self.cfg, self.p = cfg, p
+        self.results: dict[int, dict[str, EvalResult]] = {}
+        self.history: list[dict[str, float]] = []
+        for step, runs in p.resume.state.get("evals", {}).items():
+            self.results[int(step)] = {name: EvalResult(**result) for name, result in runs.items()}
+        self.history = list(p.resume.state.get("eval_history", []))
+
+    def __call__(self, step: int, generate) -> dict[str, float]:
+        cfg, p, t0 = self.cfg, self.p, time.perf_counter()
+        base = replace(p.sampling, seed=cfg.run.seed + 17)
+        runs = {"sampled": replace(base, n=cfg.eval.samples_per_prompt)}
+        if cfg.eval.greedy:
+            runs["greedy"] = replace(base, n=1, temperature=0.0, top_p=1.0)
+        self.results[step] = {
+            name: evaluate(generate, p.eval.rows, p.eval.ids, p.decode, p.runner, params, p.reducer)
+            for name, params in runs.items()
+        }
+        sampled = self.results[step]["sampled"]
+        out = {
+            "step": step,
+            "eval/accuracy": sampled.accuracy,
+            "eval/accuracy_se": sampled.stderr,
+            "eval/samples": sampled.samples,
+        }
+        if "greedy" in self.results[step]:
+            out["eval/greedy_accuracy"] = self.results[step]["greedy"].accuracy
+        out["timing/eval"] = time.perf_counter() - t0
+        p.tracker.log_metrics(out, step=step)
+        self.history.append(out)
+        return out
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run reports the same gains and plot."""
+        return {
+            "evals": {
+                str(step): {name: {"per_prompt": r.per_prompt, "samples": r.samples} for name, r in runs.items()}
+                for step, runs in self.results.items()
+            },
+            "eval_history": self.history,
+        }
+
+
+def completions_version(completions: list[Completion]) -> int:
+    """The policy version of a group: its oldest completion's (a staleness bound must not be too lenient)."""
+    return min(c.policy_version for c in completions)
