@@ -85,7 +85,7 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
     clock = PolicyClock(start)
     buffer: StalenessBuffer[Group] = StalenessBuffer(r.max_lag, capacity=(r.max_lag + 1) * max(per_rank, 1))
     generated = Watermark(start)
-    publisher = Publisher(cfg, p, clock, generated)
+    publisher = Publisher(cfg, p, clock, generated, on_error=buffer.close)
     evaluator = Evaluator(cfg, p)
     loop = asyncio.get_running_loop()
 
@@ -359,8 +359,10 @@ class Publisher:
     restarted by the watchdog loads the newest). The embedded engine gets the state dict in memory.
     """
 
-    def __init__(self, cfg: Config, p: Parts, clock: PolicyClock, generated: Watermark):
+    def __init__(self, cfg: Config, p: Parts, clock: PolicyClock, generated: Watermark, *, on_error):
         self.cfg, self.p, self.clock, self.generated = cfg, p, clock, generated
+        self.on_error = on_error
+        """Awaited with the exception when a background push fails for good (it stops the trainer)."""
         self.last_sync_s = 0.0
         """Seconds the latest completed push took (save excluded)."""
         self._task: asyncio.Task | None = None
@@ -392,7 +394,11 @@ class Publisher:
         if self.cfg.rollout.exact_lag:
             await self.generated.wait_for(publish_gate(version, self.cfg.rollout.max_lag))
         t0 = time.perf_counter()
-        await self.p.fleet.publish(source, version)
+        try:
+            await self.p.fleet.publish(source, version)
+        except Exception as exc:
+            await self.on_error(exc)  # rollouts wait for this version: without it nothing would move again
+            raise
         self.last_sync_s = time.perf_counter() - t0
         await self.clock.advance(version)
         if source.path is not None:

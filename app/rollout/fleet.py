@@ -159,8 +159,8 @@ class Fleet:
 
     async def _survive(self, call: Callable[[], Awaitable[R]], what: str) -> R:
         for attempt in range(self.cfg.max_resubmits + 1):
-            self._raise_if_fatal()
             await self._healthy.wait()
+            self._raise_if_fatal()
             try:
                 return await call()
             except RolloutServerError as exc:

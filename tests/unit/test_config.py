@@ -59,6 +59,12 @@ def test_flatten_gives_dotted_keys():
         (["trainer.micro_batch_size=100000"], ["trainer.micro_batch_size", "rollout.prompts_per_step"]),
         (["rollout.max_new_tokens=4096"], ["rollout.max_new_tokens", "model.tiny.max_position_embeddings"]),
         (["notanoverride"], ["key=value"]),
+        (["rollout.max_lag=-1"], ["rollout.max_lag", "-1"]),
+        (["rollout.engine=embedded"], ["rollout.engine=embedded", "rollout.max_lag=1", "rollout.engine=local"]),
+        (["rollout.supervision.hang_timeout_s=0"], ["rollout.supervision.hang_timeout_s"]),
+        (["checkpoint.keep_last=0"], ["checkpoint.keep_last", "0"]),
+        (["checkpoint.every=-1"], ["checkpoint.every"]),
+        (["run.time_limit_s=-5"], ["run.time_limit_s"]),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_the_fix(overrides, fragments):
