@@ -40,7 +40,7 @@ from app.eval import paired_gain
 from app.plots import plot_run
 from app.rollout.base import Completion, WeightSource
 from app.rollout.batching import build_train_batch
-from app.runtime import Evaluator, Parts, PromptSampler, completions_version, setup
+from app.runtime import Evaluator, Parts, PromptSampler, completions_version, find_resume, setup
 from app.scoring import score_texts
 from rewards import Score
 from trainer.advantages import group_advantages, informative_groups
@@ -69,7 +69,11 @@ class Group:
 
 def run(cfg: Config) -> dict:
     t_start = time.perf_counter()
-    p = setup(cfg)
+    resume = find_resume(cfg)
+    if resume.run_dir is not None and resume.run_dir.resolve() != cfg.run.path.resolve():
+        log.info("resume: writing to the interrupted run's directory %s", resume.run_dir)
+        cfg = replace(cfg, run=replace(cfg.run, dir=str(resume.run_dir)))
+    p = setup(cfg, resume)
     try:
         return asyncio.run(train(cfg, p, t_start))
     except BaseException:

@@ -68,6 +68,8 @@ class Resume:
 
     step: int = 0
     """Optimizer steps already taken (= the policy version of the weights the run starts from)."""
+    run_dir: Path | None = None
+    """The interrupted run's directory: the resumed run writes there."""
     checkpoint: Path | None = None
     state: dict = field(default_factory=dict)
     """The checkpoint's state.json (empty for a new run)."""
@@ -116,7 +118,7 @@ def find_resume(cfg: Config) -> Resume:
             "interrupted before its first checkpoint, or checkpoint.every=0); start it again without resume"
         )
     state = json.loads((checkpoint / "state.json").read_text())
-    return Resume(step=int(state["step"]), checkpoint=checkpoint, state=state)
+    return Resume(step=int(state["step"]), run_dir=run_dir, checkpoint=checkpoint, state=state)
 
 
 def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
@@ -164,10 +166,9 @@ def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> 
     return fleet
 
 
-def setup(cfg: Config) -> Parts:
+def setup(cfg: Config, resume: Resume) -> Parts:
     """Build the run; the caller owns the returned Parts (close them) and awaits `fleet.engine` health."""
     check_trainable(cfg)
-    resume = find_resume(cfg)
     dist = init_distributed()
     reducer = dist.reducer()
     torch.set_num_threads(cfg.run.threads)

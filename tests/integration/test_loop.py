@@ -16,24 +16,26 @@ from .conftest import REPO, TINY_DATA
 pytestmark = pytest.mark.slow
 
 
+def small_overrides(tmp_path, model_dir, *extra) -> list[str]:
+    """quickstart.yaml shrunk to seconds: the tiny task, 8 prompts x 4 samples a step, a high learning rate."""
+    return [
+        *TINY_DATA,
+        f"run.dir={tmp_path / 'run'}",
+        "run.steps=3",
+        f"model.path={model_dir}",
+        "eval.samples_per_prompt=2",
+        "eval.every=2",
+        "checkpoint.every=2",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=4",
+        "trainer.micro_batch_size=8",
+        "optim.lr=1e-3",
+        *extra,
+    ]
+
+
 def small_config(tmp_path, model_dir, *extra):
-    return load_config(
-        REPO / "configs" / "quickstart.yaml",
-        [
-            *TINY_DATA,
-            f"run.dir={tmp_path / 'run'}",
-            "run.steps=3",
-            f"model.path={model_dir}",
-            "eval.samples_per_prompt=2",
-            "eval.every=2",
-            "checkpoint.every=2",
-            "rollout.prompts_per_step=8",
-            "rollout.group_size=4",
-            "trainer.micro_batch_size=8",
-            "optim.lr=1e-3",
-            *extra,
-        ],
-    )
+    return load_config(REPO / "configs" / "quickstart.yaml", small_overrides(tmp_path, model_dir, *extra))
 
 
 def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
