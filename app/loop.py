@@ -30,6 +30,7 @@ import logging
 import shutil
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -50,7 +51,7 @@ from trainer.checkpoint import (
     save_hf_checkpoint,
     step_dir,
 )
-from trainer.distributed import full_state_dict
+from trainer.distributed import barrier, full_state_dict
 from trainer.step import TrainBatch, train_step
 
 log = logging.getLogger("trustbatch")
@@ -359,7 +360,7 @@ class Publisher:
 
     `publish(version)` saves the weights (they must be copied before the next step changes them) and returns;
     the push to the servers runs in the background, one version after another, and advances the clock when
-    every server holds the version. Versions live in `weights/v<N>/`; the two newest stay on disk (a server
+    every server holds the version. Versions live in `weights/v<N>/`; the three newest stay on disk (a server
     restarted by the watchdog loads the newest). The embedded engine gets the state dict in memory.
     """
 
@@ -383,7 +384,7 @@ class Publisher:
     async def publish(self, version: int) -> None:
         if self.p.fleet.http:
             path = self.p.weights_dir / f"v{version}"
-            await asyncio.to_thread(save_hf_checkpoint, self.p.model, self.p.tokenizer, path, is_main=True)
+            await asyncio.to_thread(self._save, path)
             source = WeightSource(path=path)
         else:
             source = WeightSource(state_dict=await asyncio.to_thread(full_state_dict, self.p.model))
@@ -391,6 +392,11 @@ class Publisher:
         self._task = asyncio.create_task(self._push(previous, source, version), name=f"publish-{version}")
         if self.cfg.rollout.max_lag == 0:
             await self.flush()  # synchronous: nothing to overlap with
+
+    def _save(self, path: Path) -> None:
+        """Rank 0 writes the version (every rank takes part in gathering it); all wait until it is complete."""
+        save_hf_checkpoint(self.p.model, self.p.tokenizer, path, is_main=self.p.dist.is_main)
+        barrier()
 
     async def _push(self, previous: asyncio.Task | None, source: WeightSource, version: int) -> None:
         if previous is not None:
@@ -405,9 +411,10 @@ class Publisher:
             raise
         self.last_sync_s = time.perf_counter() - t0
         await self.clock.advance(version)
-        if source.path is not None:
+        if source.path is not None and self.p.dist.is_main:
+            # Versions older than the last three are no longer loaded by any rank's servers, nor restarted from.
             for old in self.p.weights_dir.glob("v*"):
-                if old.name[1:].isdigit() and int(old.name[1:]) < version - 1:
+                if old.name[1:].isdigit() and int(old.name[1:]) < version - 2:
                     shutil.rmtree(old, ignore_errors=True)
 
     async def flush(self) -> None:

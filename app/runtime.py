@@ -95,7 +95,8 @@ class Parts:
     sampling: SamplingParams
     resume: Resume
     weights_dir: Path
-    """Where HTTP engines load each new policy version from (update_weights_from_disk), one folder a version."""
+    """Where HTTP engines load each new policy version from (update_weights_from_disk), one folder a version,
+    written by rank 0 and read by every rank's servers (one machine, or a filesystem they share)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -236,7 +237,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
             stop_token_ids=tuple(sorted(stop)),
         ),
         resume=resume,
-        weights_dir=cfg.run.path / "weights" / f"rank{dist.rank}",
+        weights_dir=cfg.run.path / "weights",
     )
 
 

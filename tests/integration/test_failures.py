@@ -78,7 +78,7 @@ FAILURE_CONFIG = [
 
 def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir):
     cfg = small_config(tmp_path, tiny_model_dir, *FAILURE_CONFIG)
-    saboteur = Saboteur(tmp_path / "run" / "weights" / "rank0" / "v2", signal.SIGKILL)
+    saboteur = Saboteur(tmp_path / "run" / "weights" / "v2", signal.SIGKILL)
     saboteur.start()
     try:
         summary = run(cfg)
@@ -94,7 +94,7 @@ def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tin
 
 def test_a_hung_rollout_server_is_killed_and_restarted(tmp_path, tiny_model_dir):
     cfg = small_config(tmp_path, tiny_model_dir, *FAILURE_CONFIG, "rollout.supervision.hang_timeout_s=2")
-    saboteur = Saboteur(tmp_path / "run" / "weights" / "rank0" / "v2", signal.SIGSTOP)
+    saboteur = Saboteur(tmp_path / "run" / "weights" / "v2", signal.SIGSTOP)
     saboteur.start()
     try:
         summary = run(cfg)
