@@ -140,6 +140,217 @@ def rollout_server(
         _fail(str(exc))
 
 
+# ---- serve / eval / models: a model reference (registry version, run artifact or directory) at work ------------
+
+ModelRef = Annotated[
+    str,
+    typer.Argument(
+        help="models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/PATH or a Hugging Face model directory.",
+        show_default=False,
+    ),
+]
+TrackingUri = Annotated[
+    str | None,
+    typer.Option(
+        help="MLflow tracking URI of the registry and runs (default: $MLFLOW_TRACKING_URI, else "
+        "sqlite:///runs/mlflow.db).",
+        show_default=False,
+    ),
+]
+
+
+def _tracking_uri(value: str | None) -> str:
+    from app.tracking import default_tracking_uri
+
+    return value or default_tracking_uri()
+
+
+@app.command()
+def serve(
+    ref: ModelRef,
+    host: Annotated[
+        str, typer.Option(help="Address to listen on (0.0.0.0 for every interface).")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Port to listen on.")] = 8000,
+    tracking_uri: TrackingUri = None,
+    engine: Annotated[
+        str,
+        typer.Option(help="auto (SGLang when CUDA and SGLang are there, else builtin) | builtin | sglang."),
+    ] = "auto",
+    served_model_name: Annotated[
+        str | None, typer.Option(help="Model name clients send (default: the reference without models:/ or runs:/).")
+    ] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Built-in engine: most sequences per batch.")] = 256,
+    batch_window_ms: Annotated[
+        float,
+        typer.Option(help="Built-in engine: how long a first request waits for others to join its batch."),
+    ] = 5.0,
+    sglang_args: Annotated[
+        str,
+        typer.Option(
+            help="Extra arguments for sglang.launch_server, e.g. '--tp 2 --mem-fraction-static 0.8'."
+        ),
+    ] = "",
+    sglang_python: Annotated[
+        str | None,
+        typer.Option(
+            help="Interpreter of an environment with SGLang (default: this one), e.g. .venv-sglang/bin/python."
+        ),
+    ] = None,
+    threads: Annotated[int, typer.Option(help="torch threads of the built-in engine.")] = 1,
+) -> None:
+    """Serve a model behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
+    if threads < 1:
+        _fail(f"--threads {threads} must be >= 1")
+    _setup_logging()
+    import torch
+
+    from app.models import ModelRefError
+    from app.serve import serve as run_server
+
+    torch.set_num_threads(threads)
+    try:
+        run_server(
+            ref,
+            tracking_uri=_tracking_uri(tracking_uri),
+            host=host,
+            port=port,
+            engine=engine,
+            served_model_name=served_model_name,
+            max_batch_size=max_batch_size,
+            batch_window_ms=batch_window_ms,
+            sglang_args=sglang_args,
+            sglang_python=sglang_python,
+            announce=lambda line: typer.echo(line, err=True),
+        )
+    except (ModelRefError, ValueError, OSError) as exc:
+        _fail(str(exc))
+
+
+@app.command("eval")
+def eval_model(
+    ref: ModelRef,
+    data: Annotated[
+        str, typer.Option(help="Prompts: a .jsonl / .parquet file or builtin:<task>.")
+    ] = "builtin:arithmetic",
+    k: Annotated[int, typer.Option("--k", help="The k of pass@k.")] = 8,
+    samples: Annotated[
+        int | None, typer.Option(help="Samples per prompt n >= k (default: k); more lowers the variance.")
+    ] = None,
+    num_prompts: Annotated[
+        int | None,
+        typer.Option(help="Use the first N prompts (default: the whole file; 500 of a built-in task)."),
+    ] = None,
+    temperature: Annotated[
+        float | None,
+        typer.Option(help="Sampling temperature (default: rollout.temperature of --config, else 1.0)."),
+    ] = None,
+    top_p: Annotated[
+        float | None, typer.Option(help="Nucleus mass (default: rollout.top_p, else 1.0).")
+    ] = None,
+    max_new_tokens: Annotated[
+        int | None,
+        typer.Option(help="Longest completion (default: rollout.max_new_tokens of --config, else 256)."),
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    out: Annotated[
+        Path | None, typer.Option(help="Write the results (every completion, scores) as JSON here.")
+    ] = None,
+    tracking_uri: TrackingUri = None,
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            help="A training config: its rewards, sandbox, data.<task>, rollout and tracking sections."
+        ),
+    ] = None,
+    max_batch_size: Annotated[int, typer.Option(help="Sequences decoded together.")] = 256,
+    track: Annotated[bool, typer.Option(help="Log the evaluation as a new MLflow run.")] = True,
+    threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
+) -> None:
+    """Measure pass@1 and pass@k of a model on a prompt set (table, JSON, MLflow run)."""
+    from app.data import DatasetError
+    from app.evaluate import EvalSettings, results_table, run_evaluation
+    from app.models import ModelRefError
+
+    cfg = _load(config, []) if config is not None else None
+    if threads < 1:
+        _fail(f"--threads {threads} must be >= 1")
+    try:
+        settings = EvalSettings(
+            data=data,
+            k=k,
+            samples=samples,
+            num_prompts=num_prompts,
+            temperature=temperature if temperature is not None else (cfg.rollout.temperature if cfg else 1.0),
+            top_p=top_p if top_p is not None else (cfg.rollout.top_p if cfg else 1.0),
+            max_new_tokens=max_new_tokens
+            if max_new_tokens is not None
+            else (cfg.rollout.max_new_tokens if cfg else 256),
+            seed=seed,
+            max_batch_size=max_batch_size,
+        )
+    except ValueError as exc:
+        _fail(str(exc))
+    _setup_logging()
+    import torch
+    from rich.console import Console
+    from rich.progress import Progress
+
+    torch.set_num_threads(threads)
+    uri = tracking_uri or (cfg.tracking.uri if cfg and cfg.tracking.uri else None) or _tracking_uri(None)
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("sampling", total=None)
+        try:
+            report = run_evaluation(
+                ref,
+                settings,
+                tracking_uri=uri,
+                rewards=cfg.rewards if cfg else None,
+                sandbox=cfg.sandbox if cfg else None,
+                data_cfg=cfg.data if cfg else None,
+                experiment=cfg.tracking.experiment if cfg else "trustbatch",
+                out=out,
+                track=track,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+        except (ModelRefError, DatasetError, ValueError) as exc:
+            _fail(str(exc))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(results_table(report))
+    if report.mlflow_run_id:
+        typer.echo(f"MLflow run {report.mlflow_run_id} in {uri}")
+    if out is not None:
+        typer.echo(f"results: {out}")
+
+
+@app.command()
+def models(
+    name: Annotated[
+        str | None, typer.Argument(help="Only this registered model.", show_default=False)
+    ] = None,
+    tracking_uri: TrackingUri = None,
+) -> None:
+    """List registered models and their versions (tags, aliases) in the MLflow store."""
+    from rich.console import Console
+
+    from app.models import ModelRefError, list_versions, versions_table
+
+    uri = _tracking_uri(tracking_uri)
+    try:
+        rows = list_versions(name, uri)
+    except ModelRefError as exc:
+        _fail(str(exc))
+    if not rows:
+        typer.echo(f"no registered model versions in {uri} yet; training registers one per checkpoint")
+        return
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(versions_table(rows, uri))
+
+
 def main() -> None:
     try:
         app()

@@ -30,6 +30,14 @@ prompt + output would exceed the model's ``max_position_embeddings`` (both ``"le
 stop position, never from comparing with the pad id: a fresh model can sample the pad token mid-sequence and
 that is an ordinary token. The batch ends early once every sequence has finished.
 
+Streaming and early stops: ``generate_sync(..., on_step=callback)`` calls
+``callback(seqs, tokens, logprobs, finished)`` after every decoding step, in the generating thread, with the
+sequences still live at that step (their indices in the prompt-major output list), the token each one sampled,
+its behaviour logprob and, for a sequence that this token ended, its finish reason (``"stop"``/``"length"``,
+else ``None``). The callback returns the sequences to end now (they finish with ``"stop"``, keeping the token
+just sampled), or ``None``. The HTTP server uses it to stream tokens as they are sampled, to end a sequence at a
+stop *string*, and to drop the sequences of a client that went away. Without a callback none of this runs.
+
 Concurrency: one lock serialises generation and weight updates (as SGLang's reader/writer lock does for one
 request stream): an update waits for the running generate call, and a generate never sees half-loaded weights.
 The async methods run the work in a worker thread so the event loop stays free.
@@ -42,12 +50,16 @@ import copy
 import inspect
 import os
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
 from transformers import DynamicCache
 
 from app.rollout.base import Completion, SamplingParams, WeightSource
+
+StepCallback = Callable[[list[int], list[int], list[float], list["str | None"]], "Iterable[int] | None"]
+"""``on_step(seqs, tokens, logprobs, finished) -> sequences to end now``; see "Streaming and early stops"."""
 
 
 class EmbeddedEngine:
@@ -133,8 +145,15 @@ class EmbeddedEngine:
 
     # ---- synchronous core -------------------------------------------------------------------------------
 
-    def generate_sync(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample ``params.n`` completions per prompt; results are prompt-major (p0s0, p0s1, ..., p1s0, ...)."""
+    def generate_sync(
+        self, prompts: list[list[int]], params: SamplingParams, *, on_step: StepCallback | None = None
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions per prompt; results are prompt-major (p0s0, p0s1, ..., p1s0, ...).
+
+        ``on_step`` (optional) sees every sampled token as it is sampled and may end sequences early (see the
+        module docstring); the sampling itself, and so the result for the same seed, does not depend on it
+        except for the sequences it ends.
+        """
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
         sequences = [i for i in range(len(prompts)) for _ in range(params.n)]  # prompt-major
         seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
@@ -153,7 +172,9 @@ class EmbeddedEngine:
                 expand = [distinct.setdefault(tuple(prompts[p]), len(distinct)) for p in chunk]
                 chunk_prompts = [list(key) for key in distinct]
                 completions.extend(
-                    self._generate_chunk(chunk_prompts, expand, params, stop_ids, generator, version)
+                    self._generate_chunk(
+                        chunk_prompts, expand, params, stop_ids, generator, version, start, on_step
+                    )
                 )
         return completions
 
@@ -209,8 +230,12 @@ class EmbeddedEngine:
         stop_ids: torch.Tensor,
         generator: torch.Generator,
         version: int,
+        offset: int = 0,
+        on_step: StepCallback | None = None,
     ) -> list[Completion]:
         """Sample one sequence per entry of ``expand`` (an index into the distinct ``prompts``).
+
+        Row ``r`` of the chunk is sequence ``offset + r`` of the whole call (what ``on_step`` is told).
 
         Each distinct prompt is run through the model once and its KV cache rows are repeated for its n
         samples. Finished rows are dropped from the batch (cache, mask, positions) once they are a quarter
@@ -254,6 +279,13 @@ class EmbeddedEngine:
             logprobs[live_rows, step] = logprob[alive]
             is_stop = torch.isin(token, stop_ids)
             finished = alive & (is_stop | (limits[rows] <= step + 1))
+            if on_step is not None:
+                halted = self._report_step(
+                    on_step, offset, live_rows, token[alive], logprob[alive], finished[alive], is_stop[alive]
+                )
+                if halted:
+                    halt = alive & ~finished & torch.isin(rows, torch.tensor(halted, device=device))
+                    is_stop, finished = is_stop | halt, finished | halt
             lengths[rows[finished]] = step + 1
             stopped[rows[finished & is_stop]] = True
             alive &= ~finished
@@ -289,6 +321,25 @@ class EmbeddedEngine:
                 )
             )
         return completions
+
+    @staticmethod
+    def _report_step(
+        on_step: StepCallback,
+        offset: int,
+        live_rows: torch.Tensor,
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        finished: torch.Tensor,
+        is_stop: torch.Tensor,
+    ) -> list[int]:
+        """Tell ``on_step`` this step's tokens of the live rows; the chunk rows it asks to end."""
+        reasons = [
+            ("stop" if stop else "length") if done else None
+            for done, stop in zip(finished.tolist(), is_stop.tolist(), strict=True)
+        ]
+        seqs = [offset + row for row in live_rows.tolist()]
+        halted = on_step(seqs, tokens.tolist(), logprobs.tolist(), reasons)
+        return [seq - offset for seq in halted or ()]  # a sequence of another chunk matches no row
 
     @staticmethod
     def _sample(

@@ -46,6 +46,10 @@ Choices where SGLang had no CPU equivalent:
   mode; mode ``"abort"`` also answers the queued requests with an abort, ``"retract"``/``"in_place"`` keep
   them queued. There is no KV cache across requests, so ``/flush_cache`` always succeeds.
 - ``/health_generate`` calls the engine directly (input_ids ``[0]``, one greedy token), not through the queue.
+
+``trustbatch serve`` (app/serve.py) adds the OpenAI-compatible ``/v1`` routes to this app: they queue prompts on
+the same scheduler (``app.state.scheduler``, under ``app.state.lock``), and a prompt's ``on_token`` hook sees
+each token as it is sampled (streaming, stop strings).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -218,6 +223,9 @@ class _Prompt:
     return_logprob: bool
     group: tuple
     future: asyncio.Future | None = None
+    on_token: Callable[[int, int, float, str | None], bool] | None = None
+    """Optional, called in the generating thread with (sample k, token id, its logprob, finish reason or None) as
+    each token is sampled; True ends that sample now (finish "stop"). ``/v1`` streaming and stop strings use it."""
 
 
 @dataclass
@@ -409,6 +417,25 @@ class _Scheduler:
         self.queue.append((time.monotonic(), prompt))
         self._wakeup.set()
 
+    def enqueue(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        *,
+        on_token: Callable[[int, int, float, str | None], bool] | None = None,
+        request_key: str | None = None,
+    ) -> asyncio.Future:
+        """Queue one prompt for ``params.n`` samples (the ``/v1`` routes' entry point).
+
+        The future gets the prompt's completions, or None when it was aborted before it ran; cancelling it
+        before it runs drops the prompt. Prompts with a ``request_key`` run only with prompts of that key (a
+        seeded request, so it reproduces ``generate_sync`` with its seed). ``on_token``: see ``_Prompt``.
+        """
+        group = (params,) if request_key is None else (params, request_key)
+        prompt = _Prompt(list(input_ids), params, _TextOptions(), False, group, on_token=on_token)
+        self.submit(prompt)
+        return prompt.future
+
     def abort_queued(self) -> int:
         """Answer every queued (not yet running) prompt with an abort; returns how many."""
         count = 0
@@ -467,9 +494,10 @@ class _Scheduler:
             groups.setdefault(prompt.group, []).append(prompt)
         for group in groups.values():
             params = group[0].params
+            on_step = _token_hooks(group, params.n)
             try:
                 completions = await asyncio.to_thread(
-                    self.engine.generate_sync, [p.input_ids for p in group], params
+                    self.engine.generate_sync, [p.input_ids for p in group], params, on_step=on_step
                 )
             except Exception as exc:  # noqa: BLE001 - reported to the requests of this group, never kills the loop
                 logger.exception("generation failed")
@@ -484,6 +512,33 @@ class _Scheduler:
             for k, prompt in enumerate(group):
                 if not prompt.future.done():
                     prompt.future.set_result(completions[k * n : (k + 1) * n])
+
+
+def _token_hooks(group: list[_Prompt], n: int):
+    """One ``on_step`` callback forwarding each sampled token to its prompt's ``on_token``; None if none has one.
+
+    A hook that raises ends its own sample (logged) instead of failing the whole batch.
+    """
+    if all(prompt.on_token is None for prompt in group):
+        return None
+
+    def on_step(
+        seqs: list[int], tokens: list[int], logprobs: list[float], finished: list[str | None]
+    ) -> list[int]:
+        halted = []
+        for seq, token, logprob, reason in zip(seqs, tokens, logprobs, finished, strict=True):
+            prompt, k = group[seq // n], seq % n
+            if prompt.on_token is None:
+                continue
+            try:
+                if prompt.on_token(k, token, logprob, reason):
+                    halted.append(seq)
+            except Exception:  # noqa: BLE001 - one request's hook must not break the batch
+                logger.exception("token hook failed; ending that sample")
+                halted.append(seq)
+        return halted
+
+    return on_step
 
 
 # ---- the app -----------------------------------------------------------------------------------------------
@@ -539,10 +594,11 @@ def create_app(
     lock: _ReaderWriterLock | None = None
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):
+    async def lifespan(server: FastAPI):
         nonlocal scheduler, lock
         scheduler = _Scheduler(engine, max_batch_size, batch_window_ms / 1000.0)
         lock = _ReaderWriterLock()
+        server.state.scheduler, server.state.lock = scheduler, lock  # for the /v1 routes of app/serve.py
         scheduler.start()
         yield
         await scheduler.stop()

@@ -1,0 +1,87 @@
+"""The pass@k estimator of Chen et al. 2021 (1 - C(n-c,k)/C(n,k)) against values computed by hand."""
+
+import math
+
+import pytest
+
+from app.evaluate import EvalSettings, pass_at_k, reported_ks, summarize
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "k", "expected"),
+    [
+        # k = 1 is the fraction correct.
+        (10, 3, 1, 3 / 10),
+        # n=5, c=2, k=2: the 2 draws miss both correct ones in C(3,2)=3 of C(5,2)=10 ways.
+        (5, 2, 2, 1 - 3 / 10),
+        # n=4, c=1, k=2: C(3,2)=3 misses of C(4,2)=6.
+        (4, 1, 2, 1 - 3 / 6),
+        # n=8, c=1, k=4: C(7,4)=35 of C(8,4)=70 draws miss the correct one.
+        (8, 1, 4, 1 - 35 / 70),
+        # n=10, c=2, k=5: C(8,5)=56 of C(10,5)=252.
+        (10, 2, 5, 1 - 56 / 252),
+        # n = k: pass@k is whether any sample is correct.
+        (4, 1, 4, 1.0),
+        (4, 0, 4, 0.0),
+        # Fewer incorrect samples than k: every draw holds a correct one.
+        (6, 4, 3, 1.0),
+        (6, 0, 3, 0.0),
+        (6, 6, 1, 1.0),
+    ],
+)
+def test_pass_at_k_matches_hand_computed_values(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_with_large_n_stays_exact_and_in_range():
+    # n=200, c=1, k=100: exactly half of the C(200,100) draws contain the one correct sample.
+    assert pass_at_k(200, 1, 100) == pytest.approx(0.5, abs=1e-12)
+    assert 0.0 <= pass_at_k(1000, 3, 17) <= 1.0
+
+
+@pytest.mark.parametrize(("n", "c", "k"), [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass_at_k"):
+        pass_at_k(n, c, k)
+
+
+def test_summary_averages_prompts_with_a_clustered_standard_error():
+    # Four prompts, n=4 samples each, k=2: per prompt 1 - C(4-c,2)/C(4,2) with C(4,2)=6.
+    # c=0 -> 0; c=1 -> 1 - 3/6 = 1/2; c=2 -> 1 - 1/6 = 5/6; c=4 -> 1.
+    result = summarize([0, 1, 2, 4], n=4, k=2)
+    per_prompt = [0.0, 1 / 2, 5 / 6, 1.0]
+    assert result.per_prompt == pytest.approx(per_prompt)
+    mean = 7 / 12  # (0 + 1/2 + 5/6 + 1) / 4
+    assert result.value == pytest.approx(mean)
+    # Clustered SE: sample standard deviation of the per-prompt values over sqrt(4).
+    variance = sum((x - mean) ** 2 for x in per_prompt) / 3
+    assert result.stderr == pytest.approx(math.sqrt(variance / 4))
+    # The same numbers written out: deviations -7/12, -1/12, 3/12, 5/12 -> squares sum 84/144.
+    assert result.stderr == pytest.approx(math.sqrt(84 / 144 / 3 / 4))
+
+
+def test_one_prompt_has_no_standard_error():
+    assert math.isnan(summarize([1], n=2, k=1).stderr)
+
+
+def test_reported_ks_are_one_the_powers_of_two_below_k_and_k():
+    assert reported_ks(1) == [1]
+    assert reported_ks(8) == [1, 2, 4, 8]
+    assert reported_ks(10) == [1, 2, 4, 8, 10]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"k": 0}, "--k 0"),
+        ({"k": 4, "samples": 2}, "--samples 2 is below --k 4"),
+        ({"num_prompts": 0}, "--num-prompts"),
+        ({"temperature": 0.0, "k": 4}, "--temperature 0 is greedy"),
+        ({"temperature": 3.0}, "--temperature"),
+        ({"top_p": 0.0}, "--top-p"),
+        ({"max_new_tokens": 0}, "--max-new-tokens"),
+    ],
+)
+def test_bad_settings_name_the_option(kwargs, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        EvalSettings(**kwargs)
