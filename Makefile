@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build; then the package.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint clean
+.PHONY: setup quickstart test lint clean sglang-env
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ quickstart: setup
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# Real SGLang 0.5.23 on CPU in its own venv (.venv-sglang) for tests/sglang and bench/rollout_engines.py.
+sglang-env:
+	bash tests/sglang/cpu_env/build.sh
 
 lint: setup
 	$(VENV)/bin/ruff check app trainer rewards sandbox tests bench

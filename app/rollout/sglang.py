@@ -37,15 +37,21 @@ is never retried: ``RolloutRequestError`` carrying the server's message. Concurr
 (``max_concurrency`` requests in flight each); requests go round-robin over the servers, continuing across
 calls.
 
-Not covered here: starting servers (``connect`` only attaches to running ones and waits for their health),
-streaming, and ``/update_weights_from_distributed`` (the NCCL/gloo path), which needs a process group on the
-trainer side and is not an HTTP-only operation.
+Weights over a process group (NCCL/gloo): ``init_weights_update_group``, ``update_weights_from_distributed``
+(inside ``/begin_weight_update`` ... ``/end_weight_update``, as 0.5.23 requires) and
+``destroy_weights_update_group`` are the HTTP half; the broadcasts are trainer/weights.py and
+app/rollout/weight_sync.py runs both together. These requests are never retried.
+
+Not covered here: starting servers (``connect`` only attaches to running ones and waits for their health;
+app/rollout/sglang_server.py starts real SGLang servers) and streaming.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -321,8 +327,8 @@ class SGLangClient:
         if source.path is None:
             raise ValueError(
                 "SGLangClient cannot send an in-memory state_dict over HTTP: save the weights as a Hugging "
-                "Face directory (safetensors + config) and pass WeightSource(path=...); the NCCL/gloo "
-                "distributed path (/update_weights_from_distributed) is not implemented yet"
+                "Face directory (safetensors + config) and pass WeightSource(path=...), or push it over a "
+                "process group with app.rollout.weight_sync.DistributedWeightSync (NCCL/gloo)"
             )
         body = {"model_path": str(source.path), "weight_version": str(int(version))}
         await asyncio.gather(*(self._update_one(url, body) for url in self.urls))
@@ -424,6 +430,187 @@ class SGLangClient:
             *(self._call(method, path, body, what=f"{method} {path}", servers=[url]) for url in self.urls)
         )
 
+    # ---------------------------------------------------------------- weights over a process group
+    # The HTTP half of SGLang's /update_weights_from_distributed path (NCCL between GPUs, gloo on CPU). The
+    # trainer half (rank 0 of the group, the broadcasts) is trainer/weights.py; app/rollout/weight_sync.py runs
+    # the two together. In SGLang 0.5.23 an update must sit between /begin_weight_update and
+    # /end_weight_update, else 400. None of these requests is retried: each pairs with collectives on the
+    # trainer side, and a repeated request would wait for broadcasts that never come.
+
+    async def tp_sizes(self) -> list[int]:
+        """Tensor-parallel size of every server (GET /server_info ``tp_size``), in ``urls`` order."""
+
+        async def one(url: str) -> int:
+            _, info = await self._call("GET", "/server_info", None, what="GET /server_info", servers=[url])
+            size = info.get("tp_size", 1) if isinstance(info, dict) else None
+            if not isinstance(size, int) or size < 1:
+                raise RolloutResponseError(f"{url}: /server_info has no valid tp_size ({size!r})")
+            return size
+
+        return list(await asyncio.gather(*(one(url) for url in self.urls)))
+
+    async def init_weights_update_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: list[int],
+        group_name: str = "weight_update_group",
+        backend: Literal["nccl", "gloo"] = "nccl",
+    ) -> None:
+        """Make every server join the weight-update group; server i's TP ranks become ``rank_offsets[i] + tp_rank``.
+
+        Each request returns only once the whole group has formed, so rank 0 (the trainer,
+        `trainer.weights.WeightUpdateGroup.connect`) must join concurrently. A group name can be used once per
+        server: destroy it before re-using it.
+        """
+        if len(rank_offsets) != len(self.urls):
+            raise ValueError(f"rank_offsets has {len(rank_offsets)} entries for {len(self.urls)} servers")
+        await asyncio.gather(
+            *(
+                self._weight_call(
+                    url,
+                    "/init_weights_update_group",
+                    {
+                        "master_address": master_address,
+                        "master_port": int(master_port),
+                        "rank_offset": int(offset),
+                        "world_size": int(world_size),
+                        "group_name": group_name,
+                        "backend": backend,
+                    },
+                    what=f"/init_weights_update_group (group {group_name}, rank_offset {offset}, {backend})",
+                )
+                for url, offset in zip(self.urls, rank_offsets, strict=True)
+            )
+        )
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """Make every server leave (and free) the weight-update group ``group_name``."""
+        await asyncio.gather(
+            *(
+                self._weight_call(
+                    url,
+                    "/destroy_weights_update_group",
+                    {"group_name": group_name},
+                    what=f"/destroy_weights_update_group (group {group_name})",
+                )
+                for url in self.urls
+            )
+        )
+
+    async def begin_weight_update(self) -> None:
+        """Open a weight-update session on every server (SGLang refuses a second open one)."""
+        await asyncio.gather(
+            *(
+                self._weight_call(url, "/begin_weight_update", {}, what="/begin_weight_update")
+                for url in self.urls
+            )
+        )
+
+    async def end_weight_update(self) -> None:
+        """Close the weight-update session on every server (the new weights are then served)."""
+        await asyncio.gather(
+            *(
+                self._weight_call(url, "/end_weight_update", {}, what="/end_weight_update")
+                for url in self.urls
+            )
+        )
+
+    @contextlib.asynccontextmanager
+    async def weight_update_session(self) -> AsyncIterator[None]:
+        """``begin_weight_update`` on entry, ``end_weight_update`` on exit (also after an error)."""
+        await self.begin_weight_update()
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(SGLangError):  # keep the first error; the session must not stay open
+                await self.end_weight_update()
+            raise
+        await self.end_weight_update()
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        version: int | None,
+        *,
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        session: bool = True,
+    ) -> None:
+        """Have every server receive ``names`` (broadcast by rank 0 of ``group_name``, in this order) and load them.
+
+        ``version`` tags the new weights ``str(version)`` (None keeps the tag: the earlier buckets of a
+        multi-bucket push). ``load_format="flattened_bucket"``: the tensors arrive as one flattened uint8 tensor
+        (`trainer.weights.flatten_bucket`); None: one broadcast per tensor. ``session=True`` wraps the request
+        in /begin_weight_update and /end_weight_update; pass False inside ``weight_update_session()``.
+
+        The call returns when every server has loaded the tensors; the broadcasts must run concurrently. Like
+        /update_weights_from_disk it waits for in-flight requests unless ``abort_all_requests`` (or the engine
+        is paused).
+        """
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise ValueError(
+                f"names, dtypes and shapes must be non-empty and of one length, got {len(names)}, {len(dtypes)}, "
+                f"{len(shapes)}"
+            )
+        body: dict[str, Any] = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(shape) for shape in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if version is not None:
+            body["weight_version"] = str(int(version))
+        if load_format is not None:
+            body["load_format"] = load_format
+        what = (
+            f"/update_weights_from_distributed ({len(names)} tensors, group {group_name}"
+            f"{', weight_version=' + body['weight_version'] if version is not None else ''})"
+        )
+
+        async def one(url: str) -> None:
+            try:
+                await self._weight_call(url, "/update_weights_from_distributed", body, what=what)
+            except RolloutRequestError as exc:
+                # As for updates from disk: loaded, but the radix cache could not be flushed (requests running,
+                # e.g. after abort_all_requests); SGLang then skips the version label too. Finish both.
+                if "cache was not flushed" not in str(exc):
+                    raise
+                await self._weight_call(url, "/flush_cache", None, what="/flush_cache after a weight update")
+                if version is not None:
+                    await self._weight_call(
+                        url,
+                        "/update_weight_version",
+                        {"new_version": body["weight_version"], "abort_all_requests": False},
+                        what="/update_weight_version after a weight update",
+                    )
+
+        async def update() -> None:
+            await asyncio.gather(*(one(url) for url in self.urls))
+
+        if session:
+            async with self.weight_update_session():
+                await update()
+        else:
+            await update()
+        if version is not None:
+            self.policy_version = int(version)
+
+    async def _weight_call(self, url: str, path: str, body: dict | None, *, what: str) -> Any:
+        """One POST to one server, never retried; 4xx or ``success: false`` raise RolloutRequestError."""
+        _, answer = await self._call("POST", path, body, what=what, servers=[url], max_retries=0)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise RolloutRequestError(f"{url}: {what} failed: {answer.get('message')!r}")
+        return answer
+
     # ---------------------------------------------------------------- transport
 
     def _rotation(self, first: int) -> list[str]:
@@ -433,10 +620,20 @@ class SGLangClient:
         return min(self.cfg.backoff_s * 2 ** (retry - 1), _MAX_BACKOFF_S) * (0.5 + self._rng.random())
 
     async def _call(
-        self, method: str, path: str, body: dict | None, *, what: str, servers: list[str], limit: bool = False
+        self,
+        method: str,
+        path: str,
+        body: dict | None,
+        *,
+        what: str,
+        servers: list[str],
+        limit: bool = False,
+        max_retries: int | None = None,
     ) -> tuple[str, Any]:
-        """One request with retries; attempt k goes to ``servers[k % len(servers)]``. Returns (url, body)."""
-        attempts = self.cfg.max_retries + 1
+        """One request with retries; attempt k goes to ``servers[k % len(servers)]``. Returns (url, body).
+
+        ``max_retries`` overrides ``cfg.max_retries`` (0 for requests that must not be repeated)."""
+        attempts = (self.cfg.max_retries if max_retries is None else max_retries) + 1
         tried: list[str] = []
         error = ""
         for attempt in range(attempts):

@@ -1,0 +1,370 @@
+"""Start real SGLang servers (``python -m sglang.launch_server``) as child processes the run owns.
+
+`launch_servers(cfg, model_dir, log_dir)` starts ``cfg.num_servers`` servers of one model, each on its own port
+(and its own GPUs), waits until every one answers GET /health, and returns their `SGLangServerProcess` handles;
+their URLs go to the SGLang client (app/rollout/sglang.py) like any other SGLang URLs. The interpreter is
+``cfg.python``: SGLang pins its own torch and transformers, so it lives in its own environment (on CPU, the one
+tests/sglang/cpu_env/build.sh builds; on GPU, any environment with ``pip install sglang``).
+
+Each server:
+- starts with ``--weight-version <policy version of the weights it loads>``, so that the client maps the label
+  to that version (numeric labels map by ``int()``; see SGLangClient's docstring);
+- writes stdout and stderr to its own log file (appended across restarts);
+- dies with the parent (PR_SET_PDEATHSIG, as the built-in server in launcher.py) and gets SIGTERM, then SIGKILL
+  after a grace period, from ``stop()``. SGLang's launcher spawns a scheduler and a detokenizer process which
+  exit when it does; the server is started in a process group of its own and the whole group is signalled.
+  PR_SET_PDEATHSIG fires when the *thread* that started the server ends: call ``start()`` from the main thread
+  (or one that lives as long as the server), never from a short-lived worker such as ``asyncio.to_thread``;
+- can be restarted on the same port by calling ``start()`` again (e.g. after ``exited()`` reports a crash),
+  optionally from newer weights (``start(model_dir=..., weight_version=...)``).
+
+CPU mode (``cpu: true``, tests and benchmarks on CPU-only machines): sets ``SGLANG_USE_CPU_ENGINE=1`` (the
+switch that selects SGLang's CPU platform; ``--device cpu`` alone does not) and adds ``--device cpu
+--attention-backend torch_native --disable-cuda-graph --max-total-tokens N`` (without a bound the KV cache takes
+about 15 GB and 49 s to allocate). GPU ids are then ignored.
+
+Not covered: multi-node servers (``--nnodes``), data parallelism inside one server (``--dp-size``; weight sync
+from distributed needs dp_size == 1, so run one server per replica, which is what ``num_servers`` does), and the
+router (start ``sglang_router.launch_router`` over the URLs yourself).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from app.rollout.launcher import _die_with_parent, free_port
+
+_TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
+                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")  # fmt: skip
+"""torchrun's variables: a server is not part of the trainer's process group, and SGLang's tcp:// rendezvous
+would use the torchelastic agent store if TORCHELASTIC_USE_AGENT_STORE leaked into it."""
+_LOG_TAIL_BYTES = 4000
+
+
+class SGLangLaunchError(RuntimeError):
+    """A server process exited during start-up, or did not become healthy in time (the log tail is attached)."""
+
+
+@dataclass
+class SGLangLaunchConfig:
+    """How trustbatch starts its own SGLang servers (config section ``rollout.sglang.launch``)."""
+
+    num_servers: int = 0
+    """Servers to start, one model replica each (0 = start none: connect to rollout.sglang.urls instead)."""
+    python: str = "python"
+    """Interpreter of the environment where SGLang is installed (e.g. .venv-sglang/bin/python); it runs
+    `-m sglang.launch_server`."""
+    host: str = "127.0.0.1"
+    """Address the servers listen on; the client reaches them at http://<host>:<port>."""
+    base_port: int = 0
+    """Port of server 0; server i listens on base_port + i. 0 = a free port for each."""
+    base_gpu_id: int = 0
+    """First GPU of server 0 (--base-gpu-id); server i starts at base_gpu_id + i * tp_size. Ignored when
+    gpu_ids is set or cpu is true."""
+    gpu_ids: list[int] = field(default_factory=list)
+    """Explicit GPUs: server i gets CUDA_VISIBLE_DEVICES = gpu_ids[i*tp_size : (i+1)*tp_size]; needs exactly
+    num_servers * tp_size entries. Empty = use base_gpu_id."""
+    tp_size: int = 1
+    """Tensor-parallel GPUs per server (--tp-size)."""
+    mem_fraction_static: float | None = None
+    """Fraction of GPU memory for weights + KV cache (--mem-fraction-static); None = SGLang's default. Lower
+    it when the trainer shares the GPUs."""
+    dtype: str = "auto"
+    """Weights and activations dtype (--dtype): auto, float32, bfloat16, float16. SGLang's auto serves a
+    float32 checkpoint in half precision."""
+    cpu: bool = False
+    """Serve on CPU (tests, benchmarks): SGLANG_USE_CPU_ENGINE=1 plus --device cpu --attention-backend
+    torch_native --disable-cuda-graph --max-total-tokens (see max_total_tokens)."""
+    max_total_tokens: int | None = None
+    """KV-cache size in tokens (--max-total-tokens). None = SGLang's default on GPU, 4096 with cpu=true."""
+    skip_tokenizer_init: bool = True
+    """--skip-tokenizer-init: token ids in and out (all trustbatch sends); text requests are then refused."""
+    random_seed: int | None = None
+    """--random-seed of server i is random_seed + i; None = SGLang picks one."""
+    extra_args: list[str] = field(default_factory=list)
+    """More `sglang.launch_server` arguments, passed through unchanged (e.g. ["--log-level", "warning"])."""
+    startup_timeout_s: float = 600.0
+    """How long to wait for every server to answer GET /health with 200 after start (loading + warm-up)."""
+
+    def __post_init__(self) -> None:
+        key = "rollout.sglang.launch"
+        if self.num_servers < 0:
+            raise ValueError(f"{key}.num_servers must be >= 0 (0 = start none), got {self.num_servers}")
+        if not self.python:
+            raise ValueError(
+                f"{key}.python is empty: give the interpreter of the SGLang environment, e.g. "
+                ".venv-sglang/bin/python (build it with `make sglang-env`)"
+            )
+        if not (self.base_port == 0 or 1024 <= self.base_port and self.base_port + self.num_servers <= 65536):
+            raise ValueError(
+                f"{key}.base_port={self.base_port} must be 0 (free ports) or a port in 1024..65535 with room "
+                f"for num_servers={self.num_servers} consecutive ports"
+            )
+        if self.tp_size < 1:
+            raise ValueError(f"{key}.tp_size must be >= 1, got {self.tp_size}")
+        if self.base_gpu_id < 0:
+            raise ValueError(f"{key}.base_gpu_id must be >= 0, got {self.base_gpu_id}")
+        if self.gpu_ids and len(self.gpu_ids) != self.num_servers * self.tp_size:
+            raise ValueError(
+                f"{key}.gpu_ids={list(self.gpu_ids)} has {len(self.gpu_ids)} entries but num_servers x tp_size = "
+                f"{self.num_servers} x {self.tp_size} = {self.num_servers * self.tp_size}: list one GPU per "
+                f"server rank, or leave it empty and set {key}.base_gpu_id"
+            )
+        if any(g < 0 for g in self.gpu_ids) or len(set(self.gpu_ids)) != len(self.gpu_ids):
+            raise ValueError(f"{key}.gpu_ids={list(self.gpu_ids)} must be distinct GPU indices >= 0")
+        if self.mem_fraction_static is not None and not 0 < self.mem_fraction_static < 1:
+            raise ValueError(
+                f"{key}.mem_fraction_static={self.mem_fraction_static} must be in (0, 1), or null for "
+                "SGLang's default"
+            )
+        dtypes = ("auto", "float32", "bfloat16", "float16", "half", "float")
+        if self.dtype not in dtypes:
+            raise ValueError(f"{key}.dtype={self.dtype!r} is not one of {list(dtypes)}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 1:
+            raise ValueError(
+                f"{key}.max_total_tokens={self.max_total_tokens} must be >= 1 (KV-cache tokens), or null"
+            )
+        if self.random_seed is not None and self.random_seed < 0:
+            raise ValueError(f"{key}.random_seed must be >= 0 or null, got {self.random_seed}")
+        if not all(isinstance(arg, str) for arg in self.extra_args):
+            raise ValueError(f"{key}.extra_args must be a list of strings, got {self.extra_args!r}")
+        managed = {"--model-path", "--model", "--port", "--host", "--tp-size", "--tp", "--weight-version",
+                   "--base-gpu-id", "--device"}  # fmt: skip
+        clash = sorted(managed & {arg.split("=", 1)[0] for arg in self.extra_args})
+        if clash:
+            raise ValueError(
+                f"{key}.extra_args sets {clash}, which the launcher sets itself; use the config fields "
+                "(host, base_port, tp_size, base_gpu_id / gpu_ids, cpu) instead"
+            )
+        if self.startup_timeout_s <= 0:
+            raise ValueError(f"{key}.startup_timeout_s must be > 0 seconds, got {self.startup_timeout_s}")
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """The --max-total-tokens actually passed (the CPU default applied)."""
+        if self.max_total_tokens is None and self.cpu:
+            return 4096
+        return self.max_total_tokens
+
+
+class SGLangServerProcess:
+    """One ``python -m sglang.launch_server`` child serving ``model_dir`` (interface of LocalServerProcess).
+
+    Args:
+        model_dir: Hugging Face model directory (config.json + safetensors) to load at start.
+        cfg: the launch settings shared by all servers.
+        index: this server's position (its port offset, GPUs and seed offset).
+        log_path: file that receives the server's stdout and stderr (appended).
+        weight_version: the policy version of the weights in ``model_dir`` (``--weight-version``).
+        port: fixed port; 0 = ``cfg.base_port + index``, or a free port when ``cfg.base_port`` is 0.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: SGLangLaunchConfig,
+        *,
+        index: int = 0,
+        log_path: str | Path,
+        weight_version: int | str = 0,
+        port: int = 0,
+    ) -> None:
+        self.model_dir, self.cfg, self.index = Path(model_dir), cfg, index
+        self.log_path = Path(log_path)
+        self.weight_version = str(weight_version)
+        self.port = port or (cfg.base_port + index if cfg.base_port else free_port())
+        self.url = f"http://{_url_host(cfg.host)}:{self.port}"
+        self.process: subprocess.Popen | None = None
+        self._log_offset = 0
+
+    def command(self) -> list[str]:
+        """The argv of ``sglang.launch_server`` for this server."""
+        cfg = self.cfg
+        args = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+                "--host", cfg.host, "--port", str(self.port), "--tp-size", str(cfg.tp_size),
+                "--weight-version", self.weight_version, "--dtype", cfg.dtype]  # fmt: skip
+        if cfg.cpu:
+            args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+        elif not cfg.gpu_ids:
+            args += ["--base-gpu-id", str(cfg.base_gpu_id + self.index * cfg.tp_size)]
+        if cfg.kv_tokens is not None:
+            args += ["--max-total-tokens", str(cfg.kv_tokens)]
+        if cfg.mem_fraction_static is not None:
+            args += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+        if cfg.skip_tokenizer_init:
+            args.append("--skip-tokenizer-init")
+        if cfg.random_seed is not None:
+            args += ["--random-seed", str(cfg.random_seed + self.index)]
+        return args + list(cfg.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        """The server's environment: the parent's, without torchrun's variables, plus the CPU/GPU switches."""
+        env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        if self.cfg.cpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per process unless told otherwise
+        elif self.cfg.gpu_ids:
+            tp = self.cfg.tp_size
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                str(g) for g in self.cfg.gpu_ids[self.index * tp : (self.index + 1) * tp]
+            )
+        return env
+
+    def start(self, *, model_dir: str | Path | None = None, weight_version: int | str | None = None) -> str:
+        """Start the server (again, on the same port, after a crash or ``stop()``); returns its URL at once.
+
+        ``model_dir`` / ``weight_version`` replace the ones given at construction (restart from newer weights).
+        Use ``wait_ready()`` (or the client's ``wait_healthy``) before sending requests.
+        """
+        if self.process is not None and self.process.poll() is None:
+            raise RuntimeError(f"SGLang server {self.url} is already running (pid {self.process.pid})")
+        if self.process is not None:
+            # A crashed launcher may leave its scheduler/detokenizer behind (holding memory): end them first.
+            _signal_group(self.process, signal.SIGKILL)
+        if model_dir is not None:
+            self.model_dir = Path(model_dir)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        command = self.command()
+        with open(self.log_path, "ab") as log:
+            log.write(f"[trustbatch] starting: {shlex.join(command)}\n".encode())
+            log.flush()
+            try:
+                self.process = subprocess.Popen(
+                    command,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env=self.environment(),
+                    preexec_fn=_start_group_dying_with_parent,
+                )
+            except FileNotFoundError as err:
+                raise SGLangLaunchError(
+                    f"rollout.sglang.launch.python={self.cfg.python!r} was not found ({err}); point it at the "
+                    "interpreter of the SGLang environment, e.g. .venv-sglang/bin/python (`make sglang-env`)"
+                ) from err
+        return self.url
+
+    def exited(self) -> int | None:
+        """The exit code once the server process has ended, else None (also None before the first start)."""
+        return None if self.process is None else self.process.poll()
+
+    def wait_ready(self, timeout_s: float | None = None, *, poll_s: float = 0.5) -> None:
+        """Block until GET /health answers 200; SGLangLaunchError if the process exits or time runs out."""
+        if self.process is None:
+            raise RuntimeError("start() the server before waiting for it")
+        limit = self.cfg.startup_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        last = "no answer yet"
+        with httpx.Client(trust_env=False, timeout=5.0) as http:
+            while True:
+                code = self.exited()
+                if code is not None:
+                    raise SGLangLaunchError(
+                        f"SGLang server {self.url} (index {self.index}) exited with code {code} during start-up; "
+                        f"log {self.log_path}:\n{self.log_tail()}"
+                    )
+                try:
+                    response = http.get(self.url + "/health")
+                    if response.status_code == 200:
+                        return
+                    last = f"HTTP {response.status_code}"
+                except httpx.HTTPError as exc:
+                    last = f"{type(exc).__name__}"
+                if time.monotonic() >= deadline:
+                    raise SGLangLaunchError(
+                        f"SGLang server {self.url} (index {self.index}) not healthy after {limit:g} s "
+                        f"(rollout.sglang.launch.startup_timeout_s; last: {last}); log {self.log_path}:\n"
+                        f"{self.log_tail()}"
+                    )
+                time.sleep(poll_s)
+
+    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
+        """The end of what this start wrote to the log."""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(self._log_offset, log.seek(0, os.SEEK_END) - max_bytes))
+                return log.read().decode(errors="replace")
+        except OSError as err:
+            return f"(log unreadable: {err})"
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``; a no-op if it is not running."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        _signal_group(self.process, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process, signal.SIGKILL)
+            self.process.wait()
+        # The launcher is gone; its scheduler/detokenizer children must not linger: end the group for good.
+        _signal_group(self.process, signal.SIGKILL)
+
+
+def launch_servers(
+    cfg: SGLangLaunchConfig, model_dir: str | Path, log_dir: str | Path, *, weight_version: int | str = 0
+) -> list[SGLangServerProcess]:
+    """Start ``cfg.num_servers`` SGLang servers of ``model_dir`` and wait until all are healthy.
+
+    Logs go to ``log_dir/sglang-<i>.log``. The servers start together (loading overlaps); on any failure every
+    server started here is stopped and SGLangLaunchError names the failing one, with its log tail.
+    """
+    if cfg.num_servers < 1:
+        raise ValueError(
+            "rollout.sglang.launch.num_servers is 0: nothing to launch (set it to the number of SGLang servers "
+            "to start, or give rollout.sglang.urls of running ones)"
+        )
+    if not (Path(model_dir) / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model directory {str(model_dir)!r} has no config.json: SGLang needs a Hugging Face directory "
+            "(config.json + *.safetensors), e.g. one written by trainer.model.save_model"
+        )
+    servers = [
+        SGLangServerProcess(
+            model_dir, cfg, index=i, log_path=Path(log_dir) / f"sglang-{i}.log", weight_version=weight_version
+        )
+        for i in range(cfg.num_servers)
+    ]
+    try:
+        for server in servers:
+            server.start()
+        deadline = time.monotonic() + cfg.startup_timeout_s
+        for server in servers:
+            server.wait_ready(max(deadline - time.monotonic(), 0.01))
+    except BaseException:
+        for server in servers:
+            server.stop()
+        raise
+    return servers
+
+
+def _start_group_dying_with_parent() -> None:
+    os.setsid()  # own process group: stop() reaches the scheduler and detokenizer children too
+    _die_with_parent()
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(process.pid, sig)  # the group id is the server's pid (setsid)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if host == "::":
+        return "[::1]"
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
