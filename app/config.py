@@ -155,10 +155,27 @@ class RolloutConfig:
                 f"rollout.engine=embedded samples inside the trainer process and cannot run ahead of it: "
                 f"rollout.max_lag={self.max_lag} needs rollout.engine=local (or sglang); or set rollout.max_lag=0"
             )
-        if self.engine == "sglang" and not self.sglang.urls:
+        launching = self.sglang.launch.num_servers > 0
+        if self.engine == "sglang" and not self.sglang.urls and not launching:
             raise ValueError(
-                "rollout.engine=sglang needs rollout.sglang.urls (e.g. [http://127.0.0.1:30000]); "
+                "rollout.engine=sglang needs rollout.sglang.urls (e.g. [http://127.0.0.1:30000]) or servers to "
+                "start (rollout.sglang.launch.num_servers=1 with launch.python=<the SGLang env's python>); "
                 "or use rollout.engine=local to start the built-in CPU server"
+            )
+        if self.sglang.urls and launching:
+            raise ValueError(
+                f"rollout.sglang.urls={list(self.sglang.urls)} and rollout.sglang.launch.num_servers="
+                f"{self.sglang.launch.num_servers} are both set: give URLs of running servers, or servers to start"
+            )
+        if launching and self.engine != "sglang":
+            raise ValueError(
+                f"rollout.sglang.launch.num_servers={self.sglang.launch.num_servers} starts SGLang servers, but "
+                f"rollout.engine={self.engine}: set rollout.engine=sglang"
+            )
+        if self.sglang.weight_sync.method == "distributed" and self.engine != "sglang":
+            raise ValueError(
+                f"rollout.sglang.weight_sync.method=distributed needs SGLang servers (rollout.engine=sglang); "
+                f"rollout.engine={self.engine} loads weights from disk: set weight_sync.method=disk"
             )
         if self.engine != "sglang" and self.sglang.urls:
             raise ValueError(

@@ -382,16 +382,23 @@ class Publisher:
             await fleet.publish(WeightSource(path=path), version)
 
     async def publish(self, version: int) -> None:
-        if self.p.fleet.http:
+        if self.p.fleet.http and self.p.fleet.weight_sync is None:
             path = self.p.weights_dir / f"v{version}"
             await asyncio.to_thread(self._save, path)
             source = WeightSource(path=path)
-        else:
-            source = WeightSource(state_dict=await asyncio.to_thread(full_state_dict, self.p.model))
+        else:  # in memory: the embedded engine, or a broadcast over NCCL/gloo (collective under FSDP2)
+            source = WeightSource(state_dict=await asyncio.to_thread(self._gather))
         previous = self._task
         self._task = asyncio.create_task(self._push(previous, source, version), name=f"publish-{version}")
         if self.cfg.rollout.max_lag == 0:
             await self.flush()  # synchronous: nothing to overlap with
+
+    def _gather(self) -> dict:
+        state = full_state_dict(self.p.model)
+        dtype = self.cfg.rollout.sglang.weight_sync.dtype
+        if self.p.fleet.weight_sync is not None and dtype is not None:
+            state = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v for k, v in state.items()}
+        return state
 
     def _save(self, path: Path) -> None:
         """Rank 0 writes the version (every rank takes part in gathering it); all wait until it is complete."""

@@ -26,6 +26,7 @@ from app.rollout.embedded import EmbeddedEngine
 from app.rollout.fleet import Fleet
 from app.rollout.launcher import LocalServerProcess
 from app.rollout.sglang import SGLangClient
+from app.rollout.sglang_server import launch_servers
 from app.scoring import rewards_with_sandbox
 from app.tracking import Tracker, default_tracking_uri
 from rewards import check_tasks
@@ -141,7 +142,8 @@ def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
 
 
 def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> Fleet:
-    """The configured rollout engine under supervision; `local` first starts this rank's CPU rollout server."""
+    """The configured rollout engine under supervision; `local` first starts this rank's CPU rollout server,
+    `sglang` with `launch.num_servers` this rank's SGLang servers (otherwise it connects to `urls`)."""
     r = cfg.rollout
     version = resume.step
     if r.engine == "embedded":
@@ -160,8 +162,25 @@ def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> 
             client_cfg, urls=[server.start()], health_timeout_s=min(client_cfg.health_timeout_s, 180.0)
         )
         log.info("rank %d: started the CPU rollout server at %s (log %s)", dist.rank, server.url, server.log_path)
+    elif r.sglang.launch.num_servers:
+        # Every trainer rank starts its own servers (ports, GPUs and seeds offset by rank); blocks until healthy.
+        servers = launch_servers(
+            r.sglang.launch,
+            model_dir,
+            cfg.run.path,
+            weight_version=version,
+            first_index=dist.rank * r.sglang.launch.num_servers,
+        )
+        client_cfg = replace(client_cfg, urls=[server.url for server in servers])
+        log.info("rank %d: launched SGLang at %s", dist.rank, ", ".join(client_cfg.urls))
     client = SGLangClient(client_cfg, policy_version=version)
-    fleet = Fleet(client, servers, r.supervision, health_timeout_s=client_cfg.health_timeout_s)
+    fleet = Fleet(
+        client,
+        servers,
+        r.supervision,
+        health_timeout_s=client_cfg.health_timeout_s,
+        weight_sync=client_cfg.weight_sync,
+    )
     if resume.checkpoint is not None and r.engine == "sglang":
         fleet.latest = (resume.checkpoint / "model", version)  # pushed before the first rollout (loop.run)
     return fleet

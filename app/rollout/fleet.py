@@ -37,6 +37,7 @@ from typing import Protocol, TypeVar
 
 from app.rollout.base import Completion, RolloutEngine, SamplingParams, WeightSource
 from app.rollout.sglang import RolloutServerError, SGLangClient
+from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, WeightSyncError
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -54,7 +55,7 @@ class ServerProcess(Protocol):
     weight_version: str
     log_path: Path
 
-    def start(self) -> str: ...
+    def start(self, *, model_dir: Path | None = None, weight_version: int | str | None = None) -> str: ...
 
     def exited(self) -> int | None: ...
 
@@ -127,9 +128,14 @@ class Fleet:
         cfg: SupervisionConfig,
         *,
         health_timeout_s: float,
+        weight_sync: WeightSyncConfig | None = None,
     ) -> None:
         self.engine, self.servers, self.cfg = engine, list(servers), cfg
         self.health_timeout_s = health_timeout_s
+        self.weight_sync = weight_sync if weight_sync is not None and weight_sync.method == "distributed" else None
+        """Set: in-memory weights are broadcast to the SGLang servers over a process group (NCCL/gloo)."""
+        self._sync: DistributedWeightSync | None = None
+        self._sync_restarts = 0
         self.restarts = 0
         self.resubmits = 0
         self.busy = BusyMeter()
@@ -152,10 +158,28 @@ class Fleet:
             return await self._survive(lambda: self.engine.generate(prompts, params), "generate")
 
     async def publish(self, source: WeightSource, version: int) -> None:
-        """Load new weights as ``version`` on every engine; a restarted server starts from them."""
+        """Load new weights as ``version`` on every engine; a restarted server starts from them (disk only:
+        under the distributed method a restarted server serves its start weights until the next push, and
+        the staleness bound drops what it generates before then)."""
         if source.path is not None:
             self.latest = (Path(source.path), int(version))
-        await self._survive(lambda: self.engine.update_weights(source, version), "a weight update")
+        if self.weight_sync is not None and source.state_dict is not None:
+            await self._survive(lambda: self._broadcast(source.state_dict, version), "a weight broadcast")
+        else:
+            await self._survive(lambda: self.engine.update_weights(source, version), "a weight update")
+
+    async def _broadcast(self, state_dict: dict, version: int) -> None:
+        assert isinstance(self.engine, SGLangClient) and self.weight_sync is not None
+        if self._sync is not None and (self._sync.broken or self._sync_restarts != self.restarts):
+            # A restarted server left the group, and a failed push leaves it unusable: form a new one.
+            with contextlib.suppress(Exception):
+                await self._sync.close()
+            self._sync = None
+        if self._sync is None:
+            self._sync = await DistributedWeightSync.connect(self.engine, self.weight_sync)
+            self._sync_restarts = self.restarts
+        await self._sync.push(state_dict, version)
+        self.engine.policy_version = int(version)
 
     async def _survive(self, call: Callable[[], Awaitable[R]], what: str) -> R:
         for attempt in range(self.cfg.max_resubmits + 1):
@@ -163,7 +187,7 @@ class Fleet:
             self._raise_if_fatal()
             try:
                 return await call()
-            except RolloutServerError as exc:
+            except (RolloutServerError, WeightSyncError) as exc:
                 if attempt == self.cfg.max_resubmits:
                     raise FleetDownError(
                         f"{what} failed {attempt + 1} times although the rollout servers were restarted or "
@@ -243,14 +267,13 @@ class Fleet:
                 f"{self.restarts} times (rollout.supervision.max_restarts); see {server.log_path}"
             )
         self.restarts += 1
-        if self.latest is not None:
-            server.model_dir, version = self.latest
-            server.weight_version = str(version)
+        model_dir, version = self.latest if self.latest is not None else (None, None)
         log.warning(
             "rollout server %s %s; restarting it (%d/%d) from %s (weight version %s)",
-            server.url, reason, self.restarts, self.cfg.max_restarts, server.model_dir, server.weight_version,
+            server.url, reason, self.restarts, self.cfg.max_restarts, model_dir or server.model_dir,
+            server.weight_version if version is None else version,
         )  # fmt: skip
-        await asyncio.to_thread(server.start)
+        await asyncio.to_thread(server.start, model_dir=model_dir, weight_version=version)
         assert isinstance(self.engine, SGLangClient)
         await self.engine.wait_healthy(self.health_timeout_s)
         log.warning("rollout server %s is back", server.url)
@@ -264,6 +287,9 @@ class Fleet:
 
     async def close(self) -> None:
         await self.stop_watchdog()
+        if self._sync is not None:
+            with contextlib.suppress(Exception):
+                await self._sync.close()
         if self.http:
             await self.engine.close()
         for server in self.servers:

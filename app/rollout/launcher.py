@@ -4,8 +4,8 @@
 client as real SGLang servers (`rollout.engine=sglang`, which connects to `rollout.sglang.urls`). The child
 dies with the run: it is terminated in `stop()`, and also when the parent exits (PR_SET_PDEATHSIG).
 `start()` may be called again after the child died or was killed: it comes back on the same port, serving
-`model_dir` labelled `weight_version` (the supervisor in app/rollout/fleet.py points both at the newest
-published weights first).
+the given `model_dir` labelled `weight_version` (the supervisor in app/rollout/fleet.py passes the newest
+published weights). app/rollout/sglang_server.py has the same interface for real SGLang servers.
 """
 
 from __future__ import annotations
@@ -39,13 +39,19 @@ class LocalServerProcess:
         self, model_dir: Path, *, max_batch_size: int, log_path: Path, port: int = 0, weight_version: str = "0"
     ):
         self.model_dir, self.max_batch_size, self.log_path = Path(model_dir), max_batch_size, Path(log_path)
-        self.weight_version = weight_version
+        self.weight_version = str(weight_version)
         """SGLang weight-version label of the weights at `model_dir`; a restart may point both elsewhere."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
-    def start(self) -> str:
+    def start(self, *, model_dir: Path | None = None, weight_version: int | str | None = None) -> str:
+        """Start the server (again, on the same port); ``model_dir``/``weight_version`` replace the current
+        ones (a restart from newer weights). Returns the URL at once; wait for GET /health before using it."""
+        if model_dir is not None:
+            self.model_dir = Path(model_dir)
+        if weight_version is not None:
+            self.weight_version = str(weight_version)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):

@@ -58,6 +58,8 @@ from typing import Any, Literal
 import httpx
 
 from app.rollout.base import Completion, SamplingParams, WeightSource
+from app.rollout.sglang_server import SGLangLaunchConfig
+from app.rollout.weight_sync import WeightSyncConfig
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _MAX_BACKOFF_S = 30.0
@@ -106,6 +108,11 @@ class SGLangClientConfig:
     of a large model take minutes)."""
     batch_size: int = 32
     """Prompts per /generate request; each request carries batch_size * n sequences."""
+    launch: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
+    """Start SGLang servers from the run (rollout.engine=sglang with launch.num_servers > 0) instead of
+    connecting to `urls`; the run restarts them if they die or hang."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """How each new policy version reaches the servers: from disk, or broadcast over NCCL/gloo."""
 
     def __post_init__(self) -> None:
         for i, url in enumerate(self.urls):

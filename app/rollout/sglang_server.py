@@ -256,6 +256,12 @@ class SGLangServerProcess:
                 ) from err
         return self.url
 
+    def kill(self) -> None:
+        """SIGKILL the whole server (launcher, scheduler, detokenizer): a hung server ignores SIGTERM."""
+        if self.process is not None:
+            _signal_group(self.process, signal.SIGKILL)
+            self.process.wait()
+
     def exited(self) -> int | None:
         """The exit code once the server process has ended, else None (also None before the first start)."""
         return None if self.process is None else self.process.poll()
@@ -314,11 +320,17 @@ class SGLangServerProcess:
 
 
 def launch_servers(
-    cfg: SGLangLaunchConfig, model_dir: str | Path, log_dir: str | Path, *, weight_version: int | str = 0
+    cfg: SGLangLaunchConfig,
+    model_dir: str | Path,
+    log_dir: str | Path,
+    *,
+    weight_version: int | str = 0,
+    first_index: int = 0,
 ) -> list[SGLangServerProcess]:
     """Start ``cfg.num_servers`` SGLang servers of ``model_dir`` and wait until all are healthy.
 
-    Logs go to ``log_dir/sglang-<i>.log``. The servers start together (loading overlaps); on any failure every
+    Logs go to ``log_dir/sglang-<i>.log``; ``first_index`` offsets i (ports, GPUs, seeds), e.g. by
+    ``rank * num_servers`` when every trainer rank launches its own servers. The servers start together (loading overlaps); on any failure every
     server started here is stopped and SGLangLaunchError names the failing one, with its log tail.
     """
     if cfg.num_servers < 1:
@@ -335,7 +347,7 @@ def launch_servers(
         SGLangServerProcess(
             model_dir, cfg, index=i, log_path=Path(log_dir) / f"sglang-{i}.log", weight_version=weight_version
         )
-        for i in range(cfg.num_servers)
+        for i in range(first_index, first_index + cfg.num_servers)
     ]
     try:
         for server in servers:

@@ -65,6 +65,13 @@ def test_flatten_gives_dotted_keys():
         (["checkpoint.keep_last=0"], ["checkpoint.keep_last", "0"]),
         (["checkpoint.every=-1"], ["checkpoint.every"]),
         (["run.time_limit_s=-5"], ["run.time_limit_s"]),
+        (["rollout.engine=sglang"], ["rollout.sglang.urls", "launch.num_servers"]),
+        (["rollout.sglang.launch.num_servers=1"], ["rollout.engine=sglang"]),
+        (
+            ["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.launch.num_servers=1"],
+            ["both set"],
+        ),
+        (["rollout.sglang.weight_sync.method=distributed"], ["rollout.engine=sglang", "weight_sync.method=disk"]),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_the_fix(overrides, fragments):
