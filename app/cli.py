@@ -178,7 +178,8 @@ def serve(
         typer.Option(help="auto (SGLang when CUDA and SGLang are there, else builtin) | builtin | sglang."),
     ] = "auto",
     served_model_name: Annotated[
-        str | None, typer.Option(help="Model name clients send (default: the reference without models:/ or runs:/).")
+        str | None,
+        typer.Option(help="Model name clients send (default: the reference without models:/ or runs:/)."),
     ] = None,
     max_batch_size: Annotated[int, typer.Option(help="Built-in engine: most sequences per batch.")] = 256,
     batch_window_ms: Annotated[
@@ -313,7 +314,7 @@ def eval_model(
                 track=track,
                 progress=lambda done, total: bar.update(task, completed=done, total=total),
             )
-        except (ModelRefError, DatasetError, ValueError) as exc:
+        except (ModelRefError, DatasetError, ValueError, OSError) as exc:
             _fail(str(exc))
     console = Console()
     if not console.is_terminal:

@@ -63,9 +63,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
         raise ValueError(f"pass_at_k: correct count c={c} must be in [0, n={n}]")
     if not 1 <= k <= n:
         raise ValueError(f"pass_at_k: k={k} must be in [1, n={n}] (draw at least k samples per prompt)")
-    if n - c < k:  # every draw of k samples holds a correct one
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+    # Exact integers, one rounding: 1 - ratio would lose the digits of a small pass@k (large n, few correct).
+    # With fewer than k incorrect samples C(n-c, k) = 0: every draw holds a correct one.
+    draws = math.comb(n, k)
+    return (draws - math.comb(n - c, k)) / draws
 
 
 @dataclass(frozen=True)

@@ -304,6 +304,8 @@ def fetch(source: ModelSource, *, tracking_uri: str, dst: Path | None = None) ->
         local = _download(source, staging, tracking_uri)
         check_hf_directory(local, source.ref)
         if reuse:
+            if (dst / COMPLETE_MARKER).is_file():  # another process finished the same version meanwhile
+                return dst  # and may be loading it: keep its copy (this one is dropped below)
             (local / COMPLETE_MARKER).write_text(f"{source.label}\n")
         if dst.exists():
             if dst.is_dir() and not any(dst.iterdir()):

@@ -27,9 +27,10 @@ What the built-in engine honours (everything else answers 400 naming the field, 
   sampling fields. The tokenizer's EOS and the usual end-of-turn tokens (``<|im_end|>``...) end a reply.
 - Token-by-token streaming: each sampled token reaches its request through the scheduler's ``on_token`` hook
   (app/rollout/embedded.py, "Streaming and early stops") as the decoding step that sampled it ends, and goes
-  out as one server-sent event ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n``. Text that
-  could still become a stop string, or an incomplete UTF-8 character, is held back until it is decided.
-  A client that disconnects has its sequences ended at the next step.
+  out as one server-sent event ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n`` as soon as
+  its own samples have ended (not when the rest of their batch has). Text that could still become a stop
+  string, or an incomplete UTF-8 character, is held back until it is decided.
+- A client that disconnects, streamed or not, has its sequences ended at the next step.
 - Stop strings end a sequence as soon as its decoded text contains one (the text is cut before it,
   finish_reason "stop"); the EOS or a stop token id also gives "stop", the token budget or the model's
   context "length".
@@ -80,6 +81,8 @@ MAX_N = 128
 MAX_SEQUENCES = 4096
 """Most sequences (prompts x n) one request may ask for; more is refused rather than left to hog the server."""
 MAX_STOPS = 16
+SEED_RANGE = (-(2**63), 2**64 - 1)
+"""What ``torch.Generator.manual_seed`` accepts; a seed outside it would fail inside the engine (a 500)."""
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates; those in the vocabulary stop chat replies."""
 
@@ -127,7 +130,8 @@ def _is_int(value: Any) -> bool:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    # An int is finite however large (math.isfinite would overflow converting 10**400 to a float).
+    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
 
 
 def _bad_type(param: str, value: Any, expected: str) -> APIError:
@@ -224,6 +228,16 @@ def _check_fields(body: Any, allowed: tuple[str, ...], route: str) -> dict:
     return body
 
 
+def _check_model_name(model: str, served: ServedModel) -> None:
+    if model != served.name and model not in served.aliases:
+        raise APIError(
+            f"the model {model!r} does not exist; this server serves {served.name!r} (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+            status=404,
+        )
+
+
 def _check_model(body: dict, served: ServedModel) -> None:
     model = body.get("model")
     if model is None:
@@ -232,13 +246,7 @@ def _check_model(body: dict, served: ServedModel) -> None:
         )
     if not isinstance(model, str):
         raise _bad_type("model", model, "a string")
-    if model != served.name and model not in served.aliases:
-        raise APIError(
-            f"the model {model!r} does not exist; this server serves {served.name!r} (see GET /v1/models)",
-            param="model",
-            code="model_not_found",
-            status=404,
-        )
+    _check_model_name(model, served)
 
 
 def _sampling(body: dict, served: ServedModel, prompts: list[list[int]], *, chat: bool) -> SamplingParams:
@@ -266,14 +274,17 @@ def _sampling(body: dict, served: ServedModel, prompts: list[list[int]], *, chat
             f"{MAX_SEQUENCES}: split it",
             param="prompt",
         )
-    if body.get("best_of") is not None and body["best_of"] != n:
-        raise APIError(
-            f"best_of must equal n ({n}) or be omitted, got {_show(body['best_of'])}", param="best_of"
-        )
+    best_of = body.get("best_of")
+    if best_of is not None and (not _is_int(best_of) or best_of != n):
+        raise APIError(f"best_of must equal n ({n}) or be omitted, got {_show(best_of)}", param="best_of")
     seed = body.get("seed")
     if seed is not None and not _is_int(seed):
         raise _bad_type("seed", seed, "an integer")
-    stop_ids = body.get("stop_token_ids") or []
+    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise APIError(f"seed must be in [-2**63, 2**64 - 1], got {_show(seed)}", param="seed")
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
     if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < served.vocab_size for t in stop_ids):
         raise APIError(
             f"stop_token_ids must be a list of token ids in [0, {served.vocab_size}), got {_show(stop_ids)}",
@@ -307,9 +318,12 @@ def _sampling(body: dict, served: ServedModel, prompts: list[list[int]], *, chat
                 code="context_length_exceeded",
             )
     elif chat:
-        max_tokens = room if room is not None else 256
+        # The rest of the context, written as the whole context: a default that depended on the prompt's
+        # length would split requests into separate generate calls (only identical SamplingParams share one),
+        # and the engine ends each sequence at the model's context anyway ("length").
+        max_tokens = served.max_positions if served.max_positions is not None else 256
     else:
-        max_tokens = 16 if room is None else min(16, room)
+        max_tokens = 16  # likewise not cut to the room the prompt leaves: the engine does that
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=float(temperature),
@@ -345,10 +359,22 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
             raise APIError("stream_options is only allowed with stream: true", param="stream_options")
         if not isinstance(options, dict) or set(options) - {"include_usage"}:
             raise _bad_type("stream_options", options, 'an object like {"include_usage": true}')
-        include_usage = options.get("include_usage") or False
+        include_usage = options.get("include_usage")
+        include_usage = False if include_usage is None else include_usage
         if not isinstance(include_usage, bool):
             raise _bad_type("stream_options.include_usage", include_usage, "a boolean")
     return bool(stream), include_usage
+
+
+def _encode(text: str, where: str, param: str, served: ServedModel) -> list[int]:
+    """Token ids of ``text``; 400 for text no tokenizer takes (a lone surrogate such as ``"\\ud800"``)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise APIError(
+            f"{where} is not valid Unicode: {exc.reason} at character {exc.start}", param=param
+        ) from None
+    return list(served.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _check_prompt_ids(ids: list[int], where: str, served: ServedModel) -> list[int]:
@@ -388,13 +414,18 @@ def parse_completion(body: Any, served: ServedModel) -> _Parsed:
         raise APIError("prompt is an empty array; give at least one prompt", param="prompt")
     else:
         raise _bad_type("prompt", prompt, "a string, an array of strings, an array of token ids or of arrays")
+    if len(raw) > MAX_SEQUENCES:  # before tokenizing them all; _sampling counts prompts x n
+        raise APIError(
+            f"{len(raw)} prompts; one request may ask for at most {MAX_SEQUENCES} sequences: split it",
+            param="prompt",
+        )
     prompts = []
     for i, item in enumerate(raw):
         where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
         if isinstance(item, str):
             if not item:
                 raise APIError(f"{where} is an empty string; give some text", param="prompt")
-            ids = list(served.tokenizer(item, add_special_tokens=False)["input_ids"])
+            ids = _encode(item, where, "prompt", served)
             if not ids:
                 raise APIError(f"{where} encodes to zero tokens; give some text", param="prompt")
         else:
@@ -484,6 +515,11 @@ def parse_chat(body: Any, served: ServedModel) -> _Parsed:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad_type("chat_template_kwargs", kwargs, "an object")
+    if "chat_template" in kwargs:  # a client's own Jinja would run here, in the event loop (loops: a DoS)
+        raise APIError(
+            "chat_template_kwargs.chat_template is refused: messages are rendered with the model's own template",
+            param="chat_template_kwargs",
+        )
     tokenizer = served.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise APIError(
@@ -495,7 +531,7 @@ def parse_chat(body: Any, served: ServedModel) -> _Parsed:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for a template's checks
         raise APIError(f"the chat template refused these messages: {exc}", param="messages") from None
-    ids = _check_prompt_ids(list(tokenizer(text, add_special_tokens=False)["input_ids"]), "the chat", served)
+    ids = _check_prompt_ids(_encode(text, "the chat", "messages", served), "the chat", served)
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _bad_type("logprobs", logprobs, "a boolean")
@@ -587,9 +623,12 @@ def _chat_logprobs(tokenizer, ids: list[int], logprobs: list[float]) -> dict:
     return {"content": content}
 
 
-def _usage(parsed: _Parsed, completions: list[Completion | None]) -> dict:
+def _completion_tokens(completions: list[Completion | None]) -> int:
+    return sum(len(c.output_ids) for c in completions if c is not None)
+
+
+def _usage(parsed: _Parsed, completion_tokens: int) -> dict:
     prompt_tokens = sum(len(p) for p in parsed.prompts)
-    completion_tokens = sum(len(c.output_ids) for c in completions if c is not None)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -612,14 +651,15 @@ class _Run:
 
 
 def _submit(app: FastAPI, parsed: _Parsed, served: ServedModel) -> _Run:
-    """Queue the request's prompts on the scheduler, with token hooks where the request needs them."""
+    """Queue the request's prompts on the scheduler with token hooks: every request can be cancelled; streams
+    and stop strings also follow the decoded text."""
     loop = asyncio.get_running_loop()
     n = parsed.params.n
-    need_hook = parsed.stream or bool(parsed.stops)
+    track = parsed.stream or bool(parsed.stops)
     events: asyncio.Queue | None = asyncio.Queue() if parsed.stream else None
     cancelled = threading.Event()
     trackers: list[list[_TextTracker | None]] = [
-        [_TextTracker(served.tokenizer, parsed.stops) if need_hook else None for _ in range(n)]
+        [_TextTracker(served.tokenizer, parsed.stops) if track else None for _ in range(n)]
         for _ in parsed.prompts
     ]
 
@@ -628,6 +668,8 @@ def _submit(app: FastAPI, parsed: _Parsed, served: ServedModel) -> _Run:
             if cancelled.is_set():
                 return True
             tracker = trackers[i][k]
+            if tracker is None:
+                return False
             tracker.push(token)
             halt = tracker.matched is not None
             if events is not None:
@@ -642,7 +684,7 @@ def _submit(app: FastAPI, parsed: _Parsed, served: ServedModel) -> _Run:
     # A seeded request runs alone, so its samples are what generate_sync gives these prompts with that seed.
     key = uuid.uuid4().hex if parsed.params.seed is not None else None
     futures = [
-        scheduler.enqueue(ids, parsed.params, on_token=hook(i) if need_hook else None, request_key=key)
+        scheduler.enqueue(ids, parsed.params, on_token=hook(i), request_key=key)
         for i, ids in enumerate(parsed.prompts)
     ]
     scheduler.stats.requests += 1
@@ -667,6 +709,24 @@ async def _results(run: _Run) -> list[Completion | None]:
         ) from None
     n = run.parsed.params.n
     return [c for group in per_prompt for c in (group if group is not None else [None] * n)]
+
+
+async def _results_unless_disconnected(request: Request, run: _Run) -> list[Completion | None] | None:
+    """``_results(run)``, or None once the client has gone away: its samples are then ended at the next step
+    (a streamed request gets the same from Starlette, which cancels the stream when the client leaves)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":  # the body was read: only this comes
+            pass
+
+    results, gone = asyncio.ensure_future(_results(run)), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+        return results.result() if results.done() else None
+    finally:
+        _cancel(run)  # nothing to do once the results are in; ends the samples of a client that went away
+        gone.cancel()
+        results.cancel()
 
 
 def _text(served: ServedModel, completion: Completion | None, tracker: _TextTracker | None) -> str:
@@ -701,7 +761,7 @@ def _response(served: ServedModel, run: _Run, completions: list[Completion | Non
         "created": int(time.time()),
         "model": served.name,
         "choices": choices,
-        "usage": _usage(parsed, completions),
+        "usage": _usage(parsed, _completion_tokens(completions)),
     }
 
 
@@ -752,6 +812,7 @@ async def _stream(app: FastAPI, served: ServedModel, parsed: _Parsed) -> AsyncIt
     async with app.state.lock.read():
         run = _submit(app, parsed, served)
         results = asyncio.ensure_future(_results(run))
+        getter: asyncio.Future | None = None
         try:
             if chat:
                 for index in range(total):
@@ -760,30 +821,37 @@ async def _stream(app: FastAPI, served: ServedModel, parsed: _Parsed) -> AsyncIt
                 getter = asyncio.ensure_future(run.events.get())
                 await asyncio.wait({getter, results}, return_when=asyncio.FIRST_COMPLETED)
                 if not getter.done():
-                    getter.cancel()
                     break  # the batch is over; its last events were queued before its results (drained below)
                 for line in emit(getter.result()):
                     yield line
-            try:
-                completions = await results
-            except APIError as exc:
-                yield _sse(exc.body())
-                yield _sse("[DONE]")
-                return
-            while not run.events.empty():
-                for line in emit(run.events.get_nowait()):
-                    yield line
-            for index, completion in enumerate(completions):
-                if index not in finished:  # aborted before it ran
-                    tracker = run.trackers[index // n][index % n]
-                    rest = tracker.take(final=True) if tracker is not None and completion is not None else ""
-                    if chat and rest:
-                        yield chunk(index, rest, None)
-                    yield chunk(index, None if chat else rest, _finish(completion, tracker))
+            if len(finished) == total:
+                # Every sample has sent its last token: end now, not when the rest of its batch (other
+                # requests' sequences) is done. Each tracker was pushed every token of its sample.
+                completion_tokens = sum(len(tracker.ids) for group in run.trackers for tracker in group)
+            else:  # some samples ended without a last event (aborted before they ran, or a failed hook)
+                try:
+                    completions = await results
+                except APIError as exc:
+                    yield _sse(exc.body())
+                    yield _sse("[DONE]")
+                    return
+                while not run.events.empty():
+                    for line in emit(run.events.get_nowait()):
+                        yield line
+                for index, completion in enumerate(completions):
+                    if index not in finished:
+                        tracker = run.trackers[index // n][index % n]
+                        rest = tracker.take(final=True) if completion is not None else ""
+                        if chat and rest:
+                            yield chunk(index, rest, None)
+                        yield chunk(index, None if chat else rest, _finish(completion, tracker))
+                completion_tokens = _completion_tokens(completions)
             if parsed.include_usage:
-                yield _sse({**head, "choices": [], "usage": _usage(parsed, completions)})
+                yield _sse({**head, "choices": [], "usage": _usage(parsed, completion_tokens)})
             yield _sse("[DONE]")
         finally:
+            if getter is not None:
+                getter.cancel()  # a client that went away left it waiting on the queue
             _cancel(run)  # nothing to do for a finished request; ends the samples of a client that went away
             results.cancel()
 
@@ -846,7 +914,9 @@ def create_openai_app(
         raw = await request.body()
         try:
             return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        # ValueError: JSONDecodeError, UnicodeDecodeError and an integer of over 4300 digits; RecursionError:
+        # arrays or objects nested thousands deep.
+        except (ValueError, RecursionError) as exc:
             raise APIError(f"the request body is not valid JSON: {exc}") from None
 
     async def generate(request: Request, parse: Callable[[Any, ServedModel], _Parsed]):
@@ -859,7 +929,9 @@ def create_openai_app(
             )
         async with request.app.state.lock.read():
             run = _submit(request.app, parsed, served)
-            completions = await _results(run)
+            completions = await _results_unless_disconnected(request, run)
+        if completions is None:
+            return APIError("the client closed the connection", status=499).response()  # read by no one
         return JSONResponse(_response(served, run, completions))
 
     @app.post("/v1/completions")
@@ -886,13 +958,7 @@ def create_openai_app(
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str) -> dict:
-        if model_id != served.name and model_id not in served.aliases:
-            raise APIError(
-                f"the model {model_id!r} does not exist; this server serves {served.name!r}",
-                param="model",
-                code="model_not_found",
-                status=404,
-            )
+        _check_model_name(model_id, served)
         return model_card()
 
     return app

@@ -49,7 +49,7 @@ Choices where SGLang had no CPU equivalent:
 
 ``trustbatch serve`` (app/serve.py) adds the OpenAI-compatible ``/v1`` routes to this app: they queue prompts on
 the same scheduler (``app.state.scheduler``, under ``app.state.lock``), and a prompt's ``on_token`` hook sees
-each token as it is sampled (streaming, stop strings).
+each token as it is sampled (streaming, stop strings, ending the samples of a client that went away).
 """
 
 from __future__ import annotations
@@ -225,7 +225,8 @@ class _Prompt:
     future: asyncio.Future | None = None
     on_token: Callable[[int, int, float, str | None], bool] | None = None
     """Optional, called in the generating thread with (sample k, token id, its logprob, finish reason or None) as
-    each token is sampled; True ends that sample now (finish "stop"). ``/v1`` streaming and stop strings use it."""
+    each token is sampled; True ends that sample now (finish "stop"). The ``/v1`` routes use it to stream, to stop
+    at stop strings and to end the samples of a client that went away."""
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Test builders for model references: a real MLflow registry (SQLite) holding tiny checkpoints, a real server.
+"""Test builders for model references: a real MLflow registry (SQLite) holding tiny checkpoints, a real
+server, the `trustbatch` command.
 
 The registry is laid out the way training registers checkpoints (app/tracking.py `register_checkpoint`): a run
 whose artifacts hold HF directories under checkpoints/step-NNNNNN, one registered model version per
@@ -9,7 +10,10 @@ Creating a SQLite store runs MLflow's migrations (seconds), so one store serves 
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -17,6 +21,8 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+
+from .conftest import REPO
 
 MODEL_NAME = "tiny-arithmetic"
 CHECKPOINTS = ((1, 0.5), (2, 0.25))
@@ -106,3 +112,15 @@ class ThreadServer:
         self.client.close()
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def trustbatch(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``trustbatch ARGS`` as a user would (from the repository, one torch thread); output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args],
+        cwd=REPO,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -9,9 +9,6 @@ values are checked by hand in tests/unit/test_pass_at_k.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from mlflow import MlflowClient
@@ -19,8 +16,7 @@ from mlflow import MlflowClient
 from app.evaluate import EvalSettings, evaluate_model, pass_at_k
 from rewards import RewardsConfig, VerifierInput, build_verifier
 
-from .conftest import REPO
-from .model_refs import make_registry
+from .model_refs import make_registry, trustbatch
 
 SETTINGS = EvalSettings(data="builtin:arithmetic", k=4, num_prompts=12, temperature=1.0, max_new_tokens=8)
 
@@ -78,16 +74,8 @@ def test_the_same_settings_and_seed_give_the_same_samples(report, tiny_model_dir
     assert again.texts == report.texts and again.correct == report.correct
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+def _cli(*args: str):
+    return trustbatch(*args, timeout=600)
 
 
 def test_eval_command_on_a_registered_model_writes_json_and_an_mlflow_run(registry, tmp_path):

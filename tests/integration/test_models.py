@@ -8,17 +8,13 @@ server (the same client calls; nothing here can reach one).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
-from app.models import ModelRefError, list_versions, lookup, resolve_model
+import app.models
+from app.models import ModelRefError, fetch, list_versions, lookup, resolve_model
 from trainer.model import load_model
 
-from .conftest import REPO
-from .model_refs import CHECKPOINTS, make_registry, snapshot
+from .model_refs import CHECKPOINTS, make_registry, snapshot, trustbatch
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +80,27 @@ def test_a_registered_version_is_cached_and_reused(registry, cache):
     assert not [p for p in first.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
+def test_a_version_cached_by_another_process_meanwhile_is_kept(registry, cache, monkeypatch):
+    # Two commands fetch the same version at once; the first to finish may already be loading its copy, so the
+    # second keeps that copy instead of deleting it and moving its own in.
+    source = lookup(f"models:/{registry.name}/{registry.versions['latest']}", tracking_uri=registry.uri)
+    download, inodes = app.models._download, []
+
+    def racing(source, staging, tracking_uri):
+        local = download(source, staging, tracking_uri)
+        if not inodes:  # while this download finishes, another process completes the same version
+            inodes.append(None)
+            other = fetch(source, tracking_uri=tracking_uri)
+            inodes[0] = (other / "config.json").stat().st_ino
+        return local
+
+    monkeypatch.setattr(app.models, "_download", racing)
+    path = fetch(source, tracking_uri=registry.uri)
+    assert (path / "config.json").stat().st_ino == inodes[0]  # the other process's file, never replaced
+    assert (path / app.models.COMPLETE_MARKER).is_file()
+    assert not [p for p in path.parent.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
 @pytest.mark.parametrize(
     ("form", "fragments"),
     [
@@ -146,20 +163,8 @@ def test_list_versions_shows_tags_and_aliases(registry):
         list_versions("nope", registry.uri)
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
 def test_models_command_prints_the_table(registry):
-    out = _cli("models", "--tracking-uri", registry.uri)
+    out = trustbatch("models", "--tracking-uri", registry.uri)
     assert out.returncode == 0, out.stderr
     lines = [line for line in out.stdout.splitlines() if registry.name in line and "│" in line]
     assert len(lines) == len(CHECKPOINTS)
@@ -178,6 +183,6 @@ def test_models_command_prints_the_table(registry):
 def test_models_command_bad_input_exits_2(registry, args, fragment):
     if "--tracking-uri" not in args:
         args = [*args, "--tracking-uri", registry.uri]
-    out = _cli(*args)
+    out = trustbatch(*args)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert fragment in out.stderr and "Traceback" not in out.stderr + out.stdout

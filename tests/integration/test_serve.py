@@ -13,22 +13,24 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
-from app.serve import build_app, choose_engine, served_name, sglang_command
+from app.serve import build_app, choose_engine, create_openai_app, served_name, sglang_command
 from trainer.model import encode_prompt
 
 from .conftest import REPO
-from .model_refs import ThreadServer, free_port, make_registry, snapshot
+from .model_refs import ThreadServer, free_port, make_registry, snapshot, trustbatch
 
 NAME = "tiny"
 PROMPTS = ["3+4=", "9*8=", "7*6-5=", "2+2*2=", "45+38=", "6*7+1="]
@@ -200,6 +202,141 @@ def test_a_client_that_leaves_mid_stream_does_not_disturb_the_server(server, cli
     assert server.client.get("/health").status_code == 200
 
 
+class Recording:
+    """Wraps an engine's ``generate_sync``: says when a call starts and keeps what each call returned."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.generate, self.started, self.outputs = engine.generate_sync, threading.Event(), []
+        engine.generate_sync = self
+
+    def __call__(self, *args, **kwargs):
+        self.started.set()
+        completions = self.generate(*args, **kwargs)
+        self.outputs.append(completions)
+        return completions
+
+    def wait_for(self, calls: int) -> list:
+        deadline = time.monotonic() + 120
+        while len(self.outputs) < calls:
+            assert time.monotonic() < deadline, f"{calls - len(self.outputs)} generate call(s) never ended"
+            time.sleep(0.02)
+        return self.outputs
+
+
+BUDGET = 250
+"""max_tokens of the endless server's long requests (its context is 256 tokens)."""
+
+
+@pytest.fixture(scope="module")
+def endless(tiny_model_dir, tokenizer):
+    """The tiny model served with an EOS id it never samples greedily (<|im_start|>), so a greedy completion
+    runs to its token budget and a sequence that ends sooner was ended by the server; calls are recorded."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    im_start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    engine = EmbeddedEngine(model, eos_token_id=im_start, pad_token_id=tokenizer.eos_token_id)
+    recording = Recording(engine)
+    app = create_openai_app(
+        engine, tokenizer, model_name=NAME, model_path=str(tiny_model_dir), batch_window_ms=300
+    )
+    srv = ThreadServer(app)
+    yield srv, recording
+    srv.close()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_client_that_leaves_has_its_samples_ended_at_the_next_step(endless, stream):
+    server, recording = endless
+    body = json.dumps(
+        {"model": NAME, "prompt": "1=", "max_tokens": BUDGET, "temperature": 0, "n": 64, "stream": stream}
+    ).encode()
+    calls = len(recording.outputs)
+    recording.started.clear()
+    with socket.create_connection(("127.0.0.1", int(server.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        assert recording.started.wait(60), "the request never started generating"
+    # The connection is closed mid-generation: every sample ends at the next step instead of its budget.
+    [completions] = recording.wait_for(calls + 1)[calls:]
+    assert len(completions) == 64
+    assert all(c.finish_reason == "stop" and len(c.output_ids) < BUDGET // 2 for c in completions), sorted(
+        {len(c.output_ids) for c in completions}
+    )
+
+
+def test_a_stream_ends_with_its_samples_not_with_the_rest_of_its_batch(endless, engine, tokenizer):
+    # A (streamed, stopped by a stop string at its first token) and B (runs to its budget) share one batch:
+    # their sampling parameters are the same. A's stream must end while B is still being sampled.
+    short, long = "3+4=", "1="
+    first = direct(engine, tokenizer, ids_of(tokenizer, short), max_new_tokens=1, temperature=0.0)[1]
+    assert first, "the first greedy token of the short prompt decodes to no text"
+    server, recording = endless
+    calls = len(recording.outputs)
+    common = {"model": NAME, "max_tokens": BUDGET, "temperature": 0, "stream": True}
+
+    async def main():
+        received = {"b": 0, "b_when_a_ended": None}
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as http:
+
+            async def b():
+                async with http.stream(
+                    "POST", "/v1/completions", json={**common, "prompt": long}
+                ) as response:
+                    async for line in response.aiter_lines():
+                        received["b"] += line.startswith("data: {")
+
+            async def a():
+                await asyncio.sleep(0.05)  # B first: its arrival opens the batch window
+                body = {**common, "prompt": short, "stop": first}
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    events = [line async for line in response.aiter_lines() if line]
+                received["b_when_a_ended"] = received["b"]
+                return events
+
+            _, events = await asyncio.gather(b(), a())
+        return received, events
+
+    received, events = asyncio.run(main())
+    [completions] = recording.wait_for(calls + 1)[calls:]  # one batch: A's prompt and B's
+    assert sorted(len(c.output_ids) for c in completions) == [1, BUDGET]
+    [chunk] = [json.loads(e[len("data: ") :]) for e in events[:-1]]
+    assert chunk["choices"][0]["text"] == "" and chunk["choices"][0]["finish_reason"] == "stop"
+    assert events[-1] == "data: [DONE]"
+    assert received["b"] == BUDGET  # one event per token of B
+    assert received["b_when_a_ended"] < BUDGET // 2, received
+
+
+def test_chat_requests_without_max_tokens_are_batched_together(endless, engine, tokenizer):
+    # Each defaults to the rest of the model's context; that must not make their sampling parameters differ.
+    server, recording = endless
+    conversations = [[{"role": "user", "content": "3+4="}], [{"role": "user", "content": "12*12+100="}]]
+    calls = len(recording.outputs)
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0) as client:
+            return await asyncio.gather(
+                *(
+                    client.chat.completions.create(model=NAME, messages=m, temperature=0)
+                    for m in conversations
+                )
+            )
+
+    outs = asyncio.run(main())
+    assert len(recording.wait_for(calls + 1)[calls:]) == 1  # one generate call for both
+    # A chat reply ends at the end-of-turn tokens and the model's EOS (and at the endless engine's EOS).
+    stop_ids = tuple(tokenizer.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|im_start|>"]))
+    for out, messages in zip(outs, conversations, strict=True):
+        prompt_ids = encode_prompt(tokenizer, messages=messages)
+        room = engine.max_positions - len(prompt_ids)
+        expected, text = direct(
+            engine, tokenizer, prompt_ids, max_new_tokens=room, temperature=0.0, stop_token_ids=stop_ids
+        )
+        assert out.choices[0].message.content == text
+        assert out.usage.completion_tokens == len(expected.output_ids)
+
+
 # ---------------------------------------------------------------------------------------------- chat
 
 
@@ -304,6 +441,7 @@ LONG = "1+" * 200 + "1="
         ("/v1/completions", {"model": NAME, "prompt": "1=", "n": 0}, 400, "n"),
         ("/v1/completions", {"model": NAME, "prompt": "1=", "n": 1.5}, 400, "n"),
         ("/v1/completions", {"model": NAME, "prompt": ["1="] * 40, "n": 128}, 400, "prompt"),
+        ("/v1/completions", {"model": NAME, "prompt": ["1="] * 5000}, 400, "prompt"),
         ("/v1/completions", {"model": NAME, "prompt": "1=", "temperature": -1}, 400, "temperature"),
         ("/v1/completions", {"model": NAME, "prompt": "1=", "temperature": "hot"}, 400, "temperature"),
         ("/v1/completions", {"model": NAME, "prompt": "1=", "top_p": 0}, 400, "top_p"),
@@ -316,6 +454,19 @@ LONG = "1+" * 200 + "1="
         ("/v1/completions", {"model": NAME, "prompt": "1=", "stream_options": {}}, 400, "stream_options"),
         ("/v1/completions", {"model": NAME, "prompt": "1=", "seed": "x"}, 400, "seed"),
         ("/v1/completions", {"model": NAME, "prompt": "1=", "frobnicate": 1}, 400, "frobnicate"),
+        # Input that used to crash the handler (500): numbers too large for a float or for the engine's seed,
+        # text no tokenizer takes, JSON too deep or with too many digits for Python's parser.
+        ("/v1/completions", '{"model": "tiny", "prompt": "1=", "temperature": 1' + "0" * 400 + "}", 400,
+         "temperature"),
+        ("/v1/completions", {"model": NAME, "prompt": "1=", "seed": 2**64}, 400, "seed"),
+        ("/v1/completions", {"model": NAME, "prompt": "1=", "seed": -(2**63) - 1}, 400, "seed"),
+        ("/v1/completions", {"model": NAME, "prompt": "\ud800"}, 400, "prompt"),
+        ("/v1/completions", '{"model": "tiny", "prompt": "1=", "n": ' + "9" * 5000 + "}", 400, None),
+        ("/v1/completions", "[" * 100_000 + "]" * 100_000, 400, None),
+        ("/v1/completions", {"model": NAME, "prompt": "1=", "stop_token_ids": False}, 400, "stop_token_ids"),
+        ("/v1/completions", {"model": NAME, "prompt": "1=", "best_of": True}, 400, "best_of"),
+        ("/v1/completions", {"model": NAME, "prompt": "1=", "stream": True,
+                             "stream_options": {"include_usage": 0}}, 400, "stream_options.include_usage"),
         ("/v1/chat/completions", {"model": NAME, "messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"model": NAME, "messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "robot", "content": "hi"}]}, 400,
@@ -329,6 +480,12 @@ LONG = "1+" * 200 + "1="
         ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                                   "tools": [{"type": "function"}]}, 400, "tools"),
         ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
+        ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "a\udc00"}]}, 400,
+         "messages"),
+        ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
+                                  "chat_template_kwargs": {"chat_template": "{% for i in range(99999) %}{% for j in "
+                                                           "range(99999) %}x{% endfor %}{% endfor %}"}}, 400,
+         "chat_template_kwargs"),
     ],
 )  # fmt: skip
 def test_malformed_requests_get_openai_errors(server, path, body, status, param):
@@ -443,14 +600,7 @@ def test_serve_command_resolves_and_serves_a_registered_model(registry, tmp_path
 )
 def test_serve_command_bad_input_exits_2(registry, tiny_model_dir, args, fragment):
     args = [a.format(model_dir=tiny_model_dir) for a in args]
-    out = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args, "--tracking-uri", registry.uri],
-        cwd=REPO,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = trustbatch(*args, "--tracking-uri", registry.uri)
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert fragment in out.stderr and "Traceback" not in out.stderr + out.stdout
 

@@ -37,6 +37,10 @@ def test_pass_at_k_with_large_n_stays_exact_and_in_range():
     # n=200, c=1, k=100: exactly half of the C(200,100) draws contain the one correct sample.
     assert pass_at_k(200, 1, 100) == pytest.approx(0.5, abs=1e-12)
     assert 0.0 <= pass_at_k(1000, 3, 17) <= 1.0
+    # C(n-c,k)/C(n,k) = prod_{i<c} (n-k-i)/(n-i): with c=3, 1 - (983*982*981)/(1000*999*998).
+    assert pass_at_k(1000, 3, 17) == pytest.approx(1 - (983 * 982 * 981) / (1000 * 999 * 998), rel=1e-12)
+    # A small pass@k keeps its digits: 1 correct of 100000 at k=1 is 1e-5 to the last bit, not 1 - 0.99999.
+    assert pass_at_k(100_000, 1, 1) == pytest.approx(1e-5, rel=1e-15, abs=0)
 
 
 @pytest.mark.parametrize(("n", "c", "k"), [(4, 5, 1), (4, -1, 1), (4, 2, 0), (4, 2, 5)])
