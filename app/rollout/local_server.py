@@ -555,8 +555,8 @@ async def _json_body(request: Request, *, allow_empty: bool = False) -> Any:
         return {}
     try:
         return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, an int past 4300 digits, deep nesting
+        raise RequestError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
 
 
 def create_app(

@@ -220,8 +220,9 @@ def test_bad_requests_get_400_json_errors(server, body, fragment):
 
 
 def test_malformed_json_gets_400_and_unknown_top_level_keys_are_ignored(server):
-    r = server.client.post("/generate", content=b"{not json", headers={"content-type": "application/json"})
-    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]
+    for raw in (b"{not json", b"[" * 100_000, b'{"input_ids": [' + b"9" * 5000 + b"]}", b"\xff\xfe"):
+        r = server.client.post("/generate", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"], raw[:20]
     r = server.client.post(
         "/generate",
         json={"input_ids": [1, 2], "some_future_key": 1, "sampling_params": {"max_new_tokens": 1}},
