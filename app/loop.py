@@ -46,6 +46,7 @@ from app.scoring import score_texts
 from rewards import Score
 from trainer.advantages import group_advantages, informative_groups
 from trainer.checkpoint import (
+    list_checkpoints,
     prune_checkpoints,
     save_checkpoint,
     save_hf_checkpoint,
@@ -480,9 +481,8 @@ async def checkpoint(
     prune_checkpoints(root, keep_last=cfg.checkpoint.keep_last, keep=(best,) if best else ())
 
 
-def _best_checkpoint(root):
-    from trainer.checkpoint import list_checkpoints
-
+def _best_checkpoint(root: Path) -> Path | None:
+    """The kept checkpoint with the highest held-out accuracy (never pruned)."""
     best, best_acc = None, float("-inf")
     for _, path in list_checkpoints(root):
         acc = json.loads((path / "state.json").read_text()).get("eval_accuracy")

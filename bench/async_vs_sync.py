@@ -99,7 +99,7 @@ def plot(runs: dict, rows: list[dict], path: Path, seconds: float) -> None:
     left.legend()
     names = ["sync" if r["max_lag"] == 0 else f"max_lag {r['max_lag']}" for r in rows]
     bars = right.bar(names, [r["samples_per_s"] for r in rows], color=["#888"] + ["#2a7"] * (len(rows) - 1))
-    for bar, r in zip(bars, rows):
+    for bar, r in zip(bars, rows, strict=True):
         right.annotate(f"{r['ratio_vs_sync']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                        ha="center", va="bottom")
     right.set_ylabel("trained samples / s")

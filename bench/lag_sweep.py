@@ -147,8 +147,8 @@ def plot(done: dict, table: list[dict], args, path: Path) -> None:
 
     fig, axes = plt.subplots(1, len(args.objectives) + 1, figsize=(5 * (len(args.objectives) + 1), 4.2))
     colors = plt.cm.viridis([i / max(1, len(args.lags) - 1) for i in range(len(args.lags))])
-    for ax, objective in zip(axes, args.objectives):
-        for color, lag in zip(colors, args.lags):
+    for ax, objective in zip(axes, args.objectives, strict=False):
+        for color, lag in zip(colors, args.lags, strict=True):
             curves = [done[(objective, lag, s)]["curve"] for s in args.seeds if (objective, lag, s) in done]
             steps = [step for step, _ in curves[0]]
             mean = [100 * sum(c[i][1] for c in curves) / len(curves) for i in range(len(steps))]

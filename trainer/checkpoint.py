@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from trainer.distributed import barrier, broadcast_object, full_state_dict
+from trainer.distributed import barrier, full_state_dict
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -256,7 +256,3 @@ def prune_checkpoints(root: Path, *, keep_last: int, keep: tuple[Path, ...] = ()
         removed.append(tmp)
     return removed
 
-
-def agree(value: Any) -> Any:
-    """Rank 0's value on every rank (e.g. which checkpoint to resume from)."""
-    return broadcast_object(value)
