@@ -240,7 +240,7 @@ class Fleet:
             for server in self.servers:
                 code = server.exited()
                 if code is None:
-                    ok, detail = await self.engine._probe(server.url, min(10.0, self.cfg.hang_timeout_s))
+                    ok, detail = await self.engine.probe(server.url, min(10.0, self.cfg.hang_timeout_s))
                     if ok:
                         last_ok[server.url] = time.monotonic()
                         continue

@@ -362,7 +362,7 @@ class SGLangClient:
 
     async def health(self) -> bool:
         """True when every server answers GET /health with 200."""
-        probes = await asyncio.gather(*(self._probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in self.urls))
+        probes = await asyncio.gather(*(self.probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in self.urls))
         return all(ok for ok, _ in probes)
 
     async def wait_healthy(self, timeout_s: float | None = None, *, poll_s: float = 0.5) -> None:
@@ -379,7 +379,7 @@ class SGLangClient:
             remaining = deadline - loop.time()
             urls = list(pending)
             probes = await asyncio.gather(
-                *(self._probe(url, max(min(_HEALTH_PROBE_TIMEOUT_S, remaining), 0.05)) for url in urls)
+                *(self.probe(url, max(min(_HEALTH_PROBE_TIMEOUT_S, remaining), 0.05)) for url in urls)
             )
             for url, (ok, detail) in zip(urls, probes, strict=True):
                 if ok:
@@ -397,7 +397,8 @@ class SGLangClient:
                 )
             await asyncio.sleep(min(poll_s, remaining))
 
-    async def _probe(self, url: str, timeout_s: float) -> tuple[bool, str]:
+    async def probe(self, url: str, timeout_s: float) -> tuple[bool, str]:
+        """One GET /health of one server: (healthy?, what it answered or why it did not)."""
         try:
             response = await asyncio.wait_for(
                 self._http.get(url + "/health", timeout=httpx.Timeout(timeout_s)), timeout_s
