@@ -112,24 +112,28 @@ def summarise(done: dict, args) -> list[dict]:
             mean = sum(finals) / len(finals)
             se = (math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1) / len(finals))
                   if len(finals) > 1 else float("nan"))
+            # The gain is paired prompt by prompt against the run's own start, so its SE holds the eval noise.
+            gain_se = math.sqrt(sum(r["accuracy_gain_se"] ** 2 for r in runs)) / len(runs)
             table.append({"objective": objective, "lag": lag, "seeds": len(runs), "final_accuracy": mean,
-                          "final_accuracy_seed_se": se, "gain": sum(gains) / len(gains),
+                          "final_accuracy_seed_se": se, "gain": sum(gains) / len(gains), "gain_se": gain_se,
                           "mean_ess": sum(r["mean_ess"] for r in runs) / len(runs)})
     return table
 
 
 def print_table(table: list[dict], args) -> None:
-    print(f"\nheld-out sampled pass@1 after {args.steps} steps (mean over seeds {args.seeds}; gain vs start)")
-    print(f"{'objective':>10} " + " ".join(f"{'k=' + str(k):>16}" for k in args.lags))
+    print(f"\ngain in held-out sampled pass@1 after {args.steps} steps, points (mean over seeds {args.seeds},"
+          " ± SE paired by prompt); final accuracy in brackets")
+    print(f"{'objective':>10} " + " ".join(f"{'k=' + str(k):>22}" for k in args.lags))
     for objective in args.objectives:
         cells = []
         for lag in args.lags:
             row = next(r for r in table if r["objective"] == objective and r["lag"] == lag)
-            cells.append(f"{100 * row['final_accuracy']:6.2f} ({100 * row['gain']:+5.2f})")
-        print(f"{objective:>10} " + " ".join(f"{c:>16}" for c in cells))
-    print(f"{'mean ESS':>10} " + " ".join(
-        f"{next(r for r in table if r['objective'] == 'ess' and r['lag'] == k)['mean_ess']:>16.3f}"
-        for k in args.lags) if "ess" in args.objectives else "")
+            cells.append(f"{100 * row['gain']:+5.2f} ± {100 * row['gain_se']:.2f} [{100 * row['final_accuracy']:5.2f}]")
+        print(f"{objective:>10} " + " ".join(f"{c:>22}" for c in cells))
+    if "ess" in args.objectives:
+        print(f"{'mean ESS':>10} " + " ".join(
+            f"{next(r for r in table if r['objective'] == 'ess' and r['lag'] == k)['mean_ess']:>22.3f}"
+            for k in args.lags))
 
 
 def save(path: Path, args, done: dict, table: list[dict] | None = None) -> None:
@@ -160,14 +164,14 @@ def plot(done: dict, table: list[dict], args, path: Path) -> None:
     ax = axes[-1]
     for objective in args.objectives:
         rows = [r for r in table if r["objective"] == objective]
-        ax.errorbar([r["lag"] for r in rows], [100 * r["final_accuracy"] for r in rows],
-                    yerr=[100 * r["final_accuracy_seed_se"] if math.isfinite(r["final_accuracy_seed_se"]) else 0
-                          for r in rows], marker="o", capsize=3, label=objective)
+        ax.errorbar([r["lag"] for r in rows], [100 * r["gain"] for r in rows],
+                    yerr=[100 * r["gain_se"] for r in rows], marker="o", capsize=3, label=objective)
+    ax.axhline(0, color="#999", lw=0.8)
     ax.set_xscale("symlog", base=2)
     ax.set_xticks(args.lags, [str(k) for k in args.lags])
     ax.set_xlabel("forced policy lag k")
-    ax.set_ylabel(f"pass@1 after {args.steps} steps (%)")
-    ax.set_title("final accuracy against lag")
+    ax.set_ylabel(f"gain in pass@1 after {args.steps} steps (points)")
+    ax.set_title("gain against lag (± SE paired by prompt)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
