@@ -36,7 +36,7 @@ import torch
 from tqdm import tqdm
 
 from app.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
-from app.config import Config
+from app.config import Config, to_yaml
 from app.eval import paired_gain
 from app.plots import plot_run
 from app.rollout.base import Completion, WeightSource
@@ -462,6 +462,7 @@ async def checkpoint(
         optimizer=p.optimizer,
         scheduler=p.scheduler,
         state=state,
+        config_yaml=to_yaml(cfg),
         rank=p.dist.rank,
         world_size=p.dist.world_size,
     )

@@ -11,8 +11,10 @@ under a final name, and a directory without the marker is never loaded:
       model/          the HF weights above (what serving, evaluation and the model registry use)
       trainer/        model + optimizer state through torch.distributed.checkpoint (sharded under FSDP2,
                       each rank writes its own shard; reloads under any world size)
-      state.json      step, policy version, data cursor, scheduler state, RNG states of every rank, and
-                      whatever the caller adds (the MLflow run id, evaluation results)
+      state.json      step, policy version, data cursor, scheduler state, and whatever the caller adds
+                      (the MLflow run id, evaluation results)
+      rng.pt          RNG states of every rank
+      config.yaml     the run's resolved config
       COMPLETE
 
 ``load_checkpoint`` restores the model, the optimizer, the schedule and this rank's RNG states, and returns the
@@ -128,12 +130,14 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     scheduler,
     state: dict[str, Any],
+    config_yaml: str = "",
     rank: int = 0,
     world_size: int = 1,
 ) -> Path:
     """Write a complete training checkpoint at ``path`` (a collective under FSDP; rank 0 publishes it).
 
-    ``state`` must be JSON-serialisable; ``step``, ``scheduler`` and the RNG states are added here.
+    ``state`` must be JSON-serialisable; the scheduler and RNG states are added here. ``config_yaml`` (the
+    run's resolved config) is kept beside them as ``config.yaml``.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -150,6 +154,8 @@ def save_checkpoint(
         _write_hf(model, tokenizer, weights, tmp / "model")
         (tmp / "model" / COMPLETE_MARKER).write_text("ok\n")
         torch.save(rngs, tmp / "rng.pt")
+        if config_yaml:
+            (tmp / "config.yaml").write_text(config_yaml)
         full = {**state, "scheduler": scheduler.state_dict(), "world_size": world_size}
         (tmp / "state.json").write_text(json.dumps(full, indent=2, default=_json_default) + "\n")
         _publish(tmp, path)

@@ -17,6 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
+from app.config import load_config
 from app.loop import run
 from trainer.checkpoint import COMPLETE_MARKER, list_checkpoints
 
@@ -66,6 +67,7 @@ def test_sigkill_mid_run_then_resume_finishes_the_plan_and_matches_the_uninterru
         assert child.name.startswith(".") or (child / COMPLETE_MARKER).is_file(), child
     for _, path in checkpoints:
         AutoModelForCausalLM.from_pretrained(path / "model")
+        assert load_config(path / "config.yaml").run.steps == 30
     last = checkpoints[-1][0]
     run_id = json.loads((checkpoints[-1][1] / "state.json").read_text())["mlflow_run_id"]
 
