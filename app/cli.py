@@ -77,11 +77,15 @@ def train(
         _fail(str(exc))
     _setup_logging()
     from app.loop import run, summary_lines
+    from app.rollout.fleet import FleetDownError
 
     try:
         summary = run(cfg)
     except (DatasetError, ConfigError) as exc:
         _fail(str(exc))
+    except FleetDownError as exc:  # the message names the server, what was tried and how to resume
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
     if int(os.environ.get("RANK", "0")) == 0:
         for line in summary_lines(summary):
             typer.echo(line)

@@ -137,7 +137,9 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
             p.tracker.log_metrics(metrics, step=step)
             _append_history(cfg, p, metrics)
             last = step
-            out_of_time = bool(cfg.run.time_limit_s and counters["train_wall_s"] >= cfg.run.time_limit_s)
+            out_of_time = bool(cfg.run.time_limit_s) and _any_rank(
+                p, counters["train_wall_s"] >= cfg.run.time_limit_s
+            )
             final = step == cfg.run.steps or out_of_time
             evaluated = final or bool(cfg.eval.every and step % cfg.eval.every == 0)
             if evaluated:
@@ -490,6 +492,11 @@ def _best_checkpoint(root: Path) -> Path | None:
         if acc is not None and acc > best_acc:
             best, best_acc = path, acc
     return best
+
+
+def _any_rank(p: Parts, flag: bool) -> bool:
+    """True on every rank when it is true on one (ranks must agree on when to stop)."""
+    return bool(p.reducer.max_(torch.tensor([float(flag)])).item())
 
 
 def _append_history(cfg: Config, p: Parts, metrics: dict) -> None:

@@ -200,3 +200,11 @@ def test_async_loop_through_the_cpu_rollout_server_keeps_lag_within_the_bound(tm
     # The three newest versions stay on disk for restarted servers and slower ranks; older ones are removed.
     assert sorted(d.name for d in (run_dir / "weights").iterdir()) == ["v2", "v3", "v4"]
     assert (run_dir / "rollout-server-rank0.log").is_file()
+
+
+def test_time_limit_stops_after_the_step_that_crosses_it_and_still_evaluates_and_checkpoints(tmp_path, tiny_model_dir):
+    summary = run(small_config(tmp_path, tiny_model_dir, "run.steps=50", "run.time_limit_s=0.001", "eval.greedy=false"))
+    assert summary["steps"] == 1  # the first step already crossed the limit
+    assert summary["checkpoint_dir"].endswith("step-000001/model")
+    assert AutoModelForCausalLM.from_pretrained(summary["checkpoint_dir"]).num_parameters() > 0
+    assert 0.0 <= summary["final_accuracy"] <= 1.0
