@@ -46,9 +46,12 @@ def test_async_training_through_launched_sglang(tmp_path, tiny_model_dir, method
     history = client.get_metric_history(summary["mlflow_run_id"], "rollout/policy_lag/max")
     lags = [m.value for m in sorted(history, key=lambda m: m.step)]
     assert lags[0] == 0.0 and all(lag <= 1.0 for lag in lags) and max(lags) == 1.0, lags
-    # Engine and trainer agree on the behaviour policy: the ESS of fresh-enough samples stays near 1.
-    ess = client.get_metric_history(summary["mlflow_run_id"], "loss/ess")
-    assert all(m.value > 0.5 for m in ess)
+    # Engine and trainer agree on the behaviour policy: on a step trained on samples of the current weights
+    # (lag 0; step 1 always is) the ratios are all ~1, so ESS is ~1. (With lag 1 at this test's high learning
+    # rate ESS may fall far below 1: that is the objective at work, not a mismatch.)
+    ess = {m.step: m.value for m in client.get_metric_history(summary["mlflow_run_id"], "loss/ess")}
+    fresh = [step for step, lag in zip(range(1, 5), lags, strict=True) if lag == 0.0]
+    assert fresh and all(ess[step] > 0.999 for step in fresh), (ess, lags)
     assert (tmp_path / "run" / "sglang-0.log").is_file()
     if method == "disk":
         assert (tmp_path / "run" / "weights" / "v4" / "model.safetensors").is_file()
