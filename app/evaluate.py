@@ -411,17 +411,12 @@ def log_to_mlflow(report: EvalReport, *, tracking_uri: str, experiment: str = "t
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
 
+    from app.tracking import ensure_experiment
+
     if tracking_uri.startswith("sqlite:///"):
         Path(tracking_uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
-    found = client.get_experiment_by_name(experiment)
-    if found is None:
-        location = None
-        if tracking_uri.startswith("sqlite:///"):  # a local store keeps its artifacts beside the database
-            location = (Path(tracking_uri[len("sqlite:///") :]).resolve().parent / "mlartifacts").as_uri()
-        experiment_id = client.create_experiment(experiment, artifact_location=location)
-    else:
-        experiment_id = found.experiment_id
+    experiment_id = ensure_experiment(client, experiment, tracking_uri)
     source, settings = report.source, report.settings
     tags = {"trustbatch.kind": "eval", "trustbatch.model_ref": source.ref}
     for key in ("name", "version", "run_id"):

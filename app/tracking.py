@@ -41,6 +41,18 @@ def default_tracking_uri(runs_root: Path = DEFAULT_RUNS_ROOT) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(Path(runs_root) / 'mlflow.db').resolve()}"
 
 
+def ensure_experiment(client, name: str, tracking_uri: str) -> str:
+    """The id of experiment ``name``, created if missing. A SQLite store keeps its artifacts in ``mlartifacts/``
+    beside the database file (the run directories' parent by default), never in the current directory."""
+    found = client.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    location = None
+    if tracking_uri.startswith("sqlite:///"):
+        location = (Path(tracking_uri[len("sqlite:///") :]).resolve().parent / "mlartifacts").as_uri()
+    return client.create_experiment(name, artifact_location=location)
+
+
 class Tracker:
     """One MLflow run, written through ``MlflowClient`` with an explicit run id.
 
@@ -75,13 +87,7 @@ class Tracker:
             run = self.client.get_run(resume_run_id)
             self.client.update_run(resume_run_id, status="RUNNING")
         else:
-            experiment = self.client.get_experiment_by_name(cfg.experiment)
-            if experiment is None:
-                # A local store keeps artifacts beside the database, next to the run directories.
-                location = None if cfg.uri else (run_dir.parent / "mlartifacts").resolve().as_uri()
-                experiment_id = self.client.create_experiment(cfg.experiment, artifact_location=location)
-            else:
-                experiment_id = experiment.experiment_id
+            experiment_id = ensure_experiment(self.client, cfg.experiment, self.tracking_uri)
             run = self.client.create_run(
                 experiment_id,
                 run_name=run_name,
