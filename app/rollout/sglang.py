@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -60,6 +61,8 @@ import httpx
 from app.rollout.base import Completion, SamplingParams, WeightSource
 from app.rollout.sglang_server import SGLangLaunchConfig
 from app.rollout.weight_sync import WeightSyncConfig
+
+log = logging.getLogger(__name__)
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _MAX_BACKOFF_S = 30.0
@@ -329,8 +332,13 @@ class SGLangClient:
 
     # ---------------------------------------------------------------- weights
 
-    async def update_weights(self, source: WeightSource, version: int) -> None:
-        """Load new weights on every server (concurrently) and tag them ``str(version)``."""
+    async def update_weights(
+        self, source: WeightSource, version: int, *, abort_all_requests: bool = False
+    ) -> None:
+        """Load new weights on every server (concurrently) and tag them ``str(version)``.
+
+        The update waits for the requests in flight (their tokens all come from the old weights) unless
+        ``abort_all_requests``: they then end at once with finish_reason "abort"."""
         if source.path is None:
             raise ValueError(
                 "SGLangClient cannot send an in-memory state_dict over HTTP: save the weights as a Hugging "
@@ -338,6 +346,8 @@ class SGLangClient:
                 "process group with app.rollout.weight_sync.DistributedWeightSync (NCCL/gloo)"
             )
         body = {"model_path": str(source.path), "weight_version": str(int(version))}
+        if abort_all_requests:
+            body["abort_all_requests"] = True
         await asyncio.gather(*(self._update_one(url, body) for url in self.urls))
         self.policy_version = int(version)
 
@@ -346,13 +356,9 @@ class SGLangClient:
         try:
             _, answer = await self._call("POST", "/update_weights_from_disk", body, what=what, servers=[url])
         except RolloutRequestError as exc:
-            # SGLang 0.5.23 may answer 400 "Weights were updated, but the cache was not flushed" although the
-            # weights and version were applied: flush, and the update is complete.
             if "cache was not flushed" not in str(exc):
                 raise
-            await self._call(
-                "POST", "/flush_cache", None, what="/flush_cache after a weight update", servers=[url]
-            )
+            await self._finish_unflushed_update(url, body["weight_version"])
             return
         if not (isinstance(answer, dict) and answer.get("success") is True):
             message = answer.get("message") if isinstance(answer, dict) else answer
@@ -592,14 +598,7 @@ class SGLangClient:
                 # e.g. after abort_all_requests); SGLang then skips the version label too. Finish both.
                 if "cache was not flushed" not in str(exc):
                     raise
-                await self._weight_call(url, "/flush_cache", None, what="/flush_cache after a weight update")
-                if version is not None:
-                    await self._weight_call(
-                        url,
-                        "/update_weight_version",
-                        {"new_version": body["weight_version"], "abort_all_requests": False},
-                        what="/update_weight_version after a weight update",
-                    )
+                await self._finish_unflushed_update(url, body.get("weight_version"))
 
         async def update() -> None:
             await asyncio.gather(*(one(url) for url in self.urls))
@@ -611,6 +610,38 @@ class SGLangClient:
             await update()
         if version is not None:
             self.policy_version = int(version)
+
+    async def _finish_unflushed_update(self, url: str, version: str | None) -> None:
+        """Complete an update SGLang applied but answered 400 "the cache was not flushed".
+
+        SGLang 0.5.23 loads the weights under its model-update lock, then flushes the radix cache; the flush is
+        refused when requests reached the scheduler in between (after ``abort_all_requests``, or new requests
+        arriving as the lock is released), and it then also skips the ``weight_version`` label. Stale prefix KV
+        must not be reused under the new weights, and a bare /flush_cache retry loses the same race while
+        rollouts keep coming. So, as the engine allows: pause with ``retract`` (running requests go back to the
+        queue and drop their KV; new /generate calls wait), flush (a paused engine ignores its queue), set the
+        label with /update_weight_version, and continue; retracted requests then recompute their KV with the
+        new weights.
+        """
+        log.info(
+            "%s: weights %s loaded but the cache was not flushed; retract, flush, label, continue",
+            url,
+            version,
+        )
+        await self._weight_call(
+            url, "/pause_generation", {"mode": "retract"}, what="/pause_generation (retract)"
+        )
+        try:
+            await self._weight_call(url, "/flush_cache", None, what="/flush_cache after a weight update")
+            if version is not None:
+                await self._weight_call(
+                    url,
+                    "/update_weight_version",
+                    {"new_version": version, "abort_all_requests": False},
+                    what="/update_weight_version after a weight update",
+                )
+        finally:
+            await self._weight_call(url, "/continue_generation", {}, what="/continue_generation")
 
     async def _weight_call(self, url: str, path: str, body: dict | None, *, what: str) -> Any:
         """One POST to one server, never retried; 4xx or ``success: false`` raise RolloutRequestError."""

@@ -11,6 +11,8 @@ distributed push is run with buckets small enough to need several requests, and 
 In-flight requests (shared/reference/sglang-api.md, "Concurrency model"): an update sent while a long request
 streams waits for it — the request ends normally with every token from the old version — for both update paths;
 with ``abort_all_requests: true`` the request ends early with finish_reason "abort" and the new version is served.
+Updates keep succeeding and labelling their version under continuous rollout traffic, and the client's answer
+to SGLang's "the cache was not flushed" (retract, flush, label, continue) works with a request running.
 
 Not covered: NCCL (tests/gpu/test_sglang_gpu.py), several servers in one group (one server here: each costs
 about 2 GB and 20 s to start), /update_weights_from_tensor (it kills the CPU server: sglang-cpu.md).
@@ -19,6 +21,7 @@ about 2 GB and 20 s to start), /update_weights_from_tensor (it kills the CPU ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import httpx
@@ -206,38 +209,90 @@ def test_update_waits_for_the_request_in_flight(server, models, method):
 
 
 def test_abort_all_requests_aborts_the_request_in_flight(server, models):
-    answers = []
+    """SGLang 0.5.23 answers such an update with 400 "Weights were updated, but the cache was not flushed"
+    (the aborted request is still in the scheduler) and skips the version label; the client completes the
+    update (retract, flush, label, continue), so the call succeeds and the new version is what is served."""
 
     async def go(client):
         update: list[asyncio.Future] = []
 
-        async def post_update():
-            async with httpx.AsyncClient(trust_env=False, timeout=120) as http:
-                answers.append(
-                    await http.post(
-                        server.url + "/update_weights_from_disk",
-                        json={
-                            "model_path": str(models.v1),
-                            "weight_version": "4",
-                            "abort_all_requests": True,
-                        },
-                    )
-                )
-
         async def start_update():
-            update.append(asyncio.ensure_future(post_update()))
+            work = client.update_weights(WeightSource(path=models.v1), 4, abort_all_requests=True)
+            update.append(asyncio.ensure_future(work))
             await asyncio.sleep(0)
 
         last = await stream_long_request(server.url, start_update)
         await update[0]
-        if answers[0].status_code != 200:  # 0.5.23: "Weights were updated, but the cache was not flushed"
-            assert "cache was not flushed" in answers[0].text
-            await client.flush_cache()
         return last, await client.model_info(), await client.generate(PROMPTS, SAMPLED)
 
     last, info, after = run_with_client(server.url, go)
     assert last["meta_info"]["finish_reason"]["type"] == "abort"
     assert 0 < len(last["output_ids"]) < LONG
-    print(f"update answer: HTTP {answers[0].status_code} {answers[0].text}; model_info weight_version "
-          f"{info['weight_version']}")  # fmt: skip
+    assert info["weight_version"] == "4"
     assert {c.policy_version for c in after} == {4}
+
+
+def test_updates_under_continuous_rollout_traffic(server, models):
+    """The loop's situation: rollouts never stop while weights are pushed. Requests reach the scheduler as
+    the update releases its lock, so SGLang may refuse the flush after an update; every update must still
+    complete, label its version, and leave the server generating."""
+    paths = [models.v1, models.v0, models.v1]
+
+    async def go(client):
+        stop = asyncio.Event()
+        seen: list[int] = []
+        before = int((await client.model_info())["weight_version"])
+
+        async def traffic():
+            while not stop.is_set():
+                batch = await client.generate(
+                    PROMPTS, SamplingParams(max_new_tokens=24, temperature=1.0, n=2)
+                )
+                seen.extend(c.policy_version for c in batch)
+
+        async def abandoned_requests():  # cancelled mid-generation, as a run's producers are at shutdown
+            while not stop.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(client.generate(PROMPTS, SamplingParams(max_new_tokens=200)), 0.3)
+
+        workers = [asyncio.ensure_future(traffic()) for _ in range(3)]
+        workers += [asyncio.ensure_future(abandoned_requests()) for _ in range(2)]
+        try:
+            await asyncio.sleep(1.0)
+            for version, path in enumerate(paths, start=10):
+                await client.update_weights(WeightSource(path=path), version)
+                info = await client.model_info()
+                assert info["weight_version"] == str(version)
+                await asyncio.sleep(0.5)
+        finally:
+            stop.set()
+            await asyncio.gather(*workers)
+        return before, seen, await client.generate(PROMPTS, SAMPLED)
+
+    before, seen, after = run_with_client(server.url, go)
+    assert len(seen) > 0 and set(seen) <= {before, 10, 11, 12}
+    assert {c.policy_version for c in after} == {12}
+
+
+def test_completing_an_unflushed_update_while_a_request_runs(server, models):
+    """The path taken after "Weights were updated, but the cache was not flushed", forced: the race that
+    produces that answer (requests reaching the scheduler between the load and the flush) cannot be staged on
+    demand, so the completion step runs while a long request is generating. A bare /flush_cache would be
+    refused here; retract + flush + label + continue must succeed, label the version, and let the request
+    finish normally."""
+
+    async def go(client):
+        done: list[asyncio.Future] = []
+
+        async def complete_update():
+            done.append(asyncio.ensure_future(client._finish_unflushed_update(server.url, "21")))
+            await asyncio.sleep(0)
+
+        last = await stream_long_request(server.url, complete_update)
+        await done[0]
+        return last, await client.model_info(), await client.generate(PROMPTS, SAMPLED)
+
+    last, info, after = run_with_client(server.url, go)
+    assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == LONG
+    assert info["weight_version"] == "21"
+    assert {c.policy_version for c in after} == {21}
