@@ -25,6 +25,7 @@ call it, in the same order.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import re
@@ -75,8 +76,22 @@ def _write_hf(model, tokenizer, state_dict: dict[str, torch.Tensor], out: Path) 
     if getattr(model.config, "tie_word_embeddings", False):
         # Tied output weights are the embedding itself; save_pretrained given a state dict would write both.
         state_dict.pop("lm_head.weight", None)
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    with _no_hf_progress_bars():  # transformers 5 draws a "Writing model shards" bar per save, every step
+        model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(out)
+
+
+@contextlib.contextmanager
+def _no_hf_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def save_hf_checkpoint(model, tokenizer, path: Path, *, is_main: bool = True) -> Path:
