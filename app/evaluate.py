@@ -411,10 +411,10 @@ def log_to_mlflow(report: EvalReport, *, tracking_uri: str, experiment: str = "t
     from mlflow import MlflowClient
     from mlflow.entities import Metric, Param, RunTag
 
-    from app.tracking import ensure_experiment
+    from app.tracking import ensure_experiment, sqlite_path
 
-    if tracking_uri.startswith("sqlite:///"):
-        Path(tracking_uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+    if (db := sqlite_path(tracking_uri)) is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
     client = MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
     experiment_id = ensure_experiment(client, experiment, tracking_uri)
     source, settings = report.source, report.settings

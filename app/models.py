@@ -127,8 +127,9 @@ def check_hf_directory(path: Path, what: str) -> None:
 
 def _client(tracking_uri: str):
     """An MlflowClient on ``tracking_uri`` (also its registry); refuses to create a SQLite store by accident."""
-    if tracking_uri.startswith("sqlite:///"):
-        db = Path(tracking_uri[len("sqlite:///") :])
+    from app.tracking import sqlite_path
+
+    if (db := sqlite_path(tracking_uri)) is not None:
         if not db.is_file():
             raise ModelRefError(
                 f"no MLflow store at {db} (tracking URI {tracking_uri}): train a model first "

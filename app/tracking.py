@@ -41,15 +41,20 @@ def default_tracking_uri(runs_root: Path = DEFAULT_RUNS_ROOT) -> str:
     return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(Path(runs_root) / 'mlflow.db').resolve()}"
 
 
+def sqlite_path(tracking_uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` tracking URI; None for any other store."""
+    prefix = "sqlite:///"
+    return Path(tracking_uri[len(prefix) :]) if tracking_uri.startswith(prefix) else None
+
+
 def ensure_experiment(client, name: str, tracking_uri: str) -> str:
     """The id of experiment ``name``, created if missing. A SQLite store keeps its artifacts in ``mlartifacts/``
     beside the database file (the run directories' parent by default), never in the current directory."""
     found = client.get_experiment_by_name(name)
     if found is not None:
         return found.experiment_id
-    location = None
-    if tracking_uri.startswith("sqlite:///"):
-        location = (Path(tracking_uri[len("sqlite:///") :]).resolve().parent / "mlartifacts").as_uri()
+    db = sqlite_path(tracking_uri)
+    location = (db.resolve().parent / "mlartifacts").as_uri() if db is not None else None
     return client.create_experiment(name, artifact_location=location)
 
 
