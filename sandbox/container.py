@@ -206,7 +206,6 @@ class DockerBackend:
             return self.pools[shape]
 
     def run(self, code: str, stdin: str, limits: Limits) -> ExecutionResult:
-        start = time.monotonic()
         code_bytes = code.encode("utf-8", errors="surrogatepass")
         nonce = secrets.token_hex(16).encode()
         spec = {
@@ -224,6 +223,9 @@ class DockerBackend:
         payload = nonce + code_bytes + stdin.encode("utf-8", errors="surrogatepass")
         pool = self._pool(limits)
         container = pool.acquire(timeout=60 + 10 * limits.wall_s)
+        # The wall limit (and the host's grace past it) is the program's: waiting for a container, or starting
+        # one, does not count.
+        start = time.monotonic()
         try:
             exec_id = self.client.api.exec_create(
                 container.id,

@@ -91,6 +91,7 @@ class ExecutionResult:
     output_truncated: bool
     """stdout or stderr passed max_output_bytes; the program was stopped there."""
     wall_s: float
+    """Seconds from the start of the run (once a sandbox slot or container was free) to its result."""
     backend: str
 
 

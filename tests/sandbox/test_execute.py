@@ -1,8 +1,12 @@
 """Ordinary programs on every available backend: output, exit codes, stderr, stdin, and no state between runs."""
 
+import fcntl
+import os
 import threading
 
-from sandbox import Limits, execute
+import sandbox
+from sandbox import Limits, SandboxConfig, bwrap, execute
+from sandbox.executor import get_backend
 
 LIMITS = Limits(wall_s=5, memory_mb=256, max_processes=16)
 
@@ -64,3 +68,44 @@ def test_concurrent_runs_are_isolated(backend):
     for t in threads:
         t.join()
     assert results == {i: f"{i}\n" for i in range(3)}
+
+
+def test_waiting_for_a_free_sandbox_does_not_use_up_the_wall_limit(backend):
+    """More runs than sandboxes: a queued run still gets its whole wall_s (the clock starts once a bwrap slot or
+    a container is its own), so a program that fits its limit is never reported timed out for having waited."""
+    limits = Limits(wall_s=2.0, memory_mb=256, max_processes=16)
+    code = "import time\ntime.sleep(1.5)\nprint('done')"
+    if backend == "docker":  # one container for four concurrent runs: the last waits about 3 x 1.5 s
+        sandbox.configure(SandboxConfig(pool_size=1))
+        try:
+            results = [None] * 4
+
+            def work(i):
+                results[i] = execute(code, limits=limits, backend=backend)
+
+            threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            sandbox.configure(SandboxConfig())
+    else:  # every bwrap slot held for 2.5 s, longer than the run's wall limit
+        slot_dir = get_backend("bwrap").slot_dir
+        held = []
+        for slot in range(bwrap.SLOTS):
+            fd = os.open(
+                os.path.join(slot_dir, f"slot-{slot}.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held.append(fd)
+        release = threading.Timer(2.5, lambda: [os.close(fd) for fd in held])
+        release.start()
+        try:
+            results = [execute(code, limits=limits, backend=backend)]
+        finally:
+            release.join()
+    for result in results:
+        assert (result.stdout, result.timed_out, result.exit_code) == ("done\n", False, 0), result
+        # measured from acquisition: well under the 2.5-4.5 s the runs waited (1 s of slack for a busy machine)
+        assert result.wall_s < limits.wall_s + 1.0, result
