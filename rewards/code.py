@@ -5,11 +5,16 @@ the whole text). ``reference`` holds the tests, as a list (or ``{"tests": [...]}
 
 - ``{"stdin": "1 2\\n", "stdout": "3\\n"}``: run the program with this input; its output must match.
   ``input``/``output`` are accepted as aliases.
-- ``{"code": "assert add(2, 2) == 4"}``: appended to the program; passes when the run exits with status 0.
+- ``{"code": "assert add(2, 2) == 4"}``: run after the program, in its namespace, by a grader inside the sandbox
+  (rewards/code_harness.py). It passes only when that grader saw the test's last statement finish and says so
+  with this run's secret nonce: exiting early, exit hooks, signal handlers and threads cannot earn it. The test
+  code must be a non-empty string that compiles; anything else is a bad reference (``Score.error``).
 
 Each test is one sandbox execution with its own limits (``wall_s``, ``cpu_s``, ``memory_mb``). The reward is the
 fraction of tests passed (``mode: fraction``) or 1.0 only when all pass (``mode: all``); the breakdown lists
-each failed test with why: ``wrong_answer``, ``error``, ``timeout``, ``memory`` or ``output_limit``. The code is
+each failed test with why: ``wrong_answer``, ``error``, ``early_exit`` (the run ended before a code test
+finished), ``timeout``, ``memory`` or ``output_limit``. Completions longer than ``max_completion_chars`` are
+judged wrong unread, which bounds the (linear) program extraction. The code is
 never run outside ``sandbox.execute``; a sandbox that cannot run at all is a ``Score.error``, not a wrong answer.
 """
 
@@ -17,14 +22,18 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from rewards.registry import config_from_params, register
 from rewards.types import Score, Verifier, VerifierInput
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_FENCE_TAG = re.compile(r"[ \t]*([A-Za-z0-9_+-]*)")
 _PYTHON_TAGS = {"python", "py", "python3"}
+_HARNESS = (Path(__file__).parent / "code_harness.py").read_text()
+_VERDICT = re.compile(r"\x00trustbatch-test ([0-9a-f]{32}) (pass|fail assertion|fail exit|fail error)\n")
 
 
 @dataclass
@@ -54,6 +63,8 @@ class CodeVerifierConfig:
     compares the text as is; ``tokens`` compares whitespace-separated tokens."""
     max_program_chars: int = 100_000
     """A longer extracted program is not run (judged wrong)."""
+    max_completion_chars: int = 1_000_000
+    """A longer completion is judged wrong without being searched for a program."""
     max_failures_reported: int = 10
     """Failed tests listed in the breakdown (the count is always complete)."""
 
@@ -69,14 +80,40 @@ class CodeVerifierConfig:
                 f"code verifier params.backend={self.backend!r} must be one of auto, docker, bwrap (or none, "
                 "which needs sandbox.allow_unsandboxed)"
             )
-        for name in ("wall_s", "cpu_s", "memory_mb", "max_output_bytes", "max_program_chars"):
+        for name in (
+            "wall_s",
+            "cpu_s",
+            "memory_mb",
+            "max_output_bytes",
+            "max_program_chars",
+            "max_completion_chars",
+        ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"code verifier params.{name}={getattr(self, name)!r} must be > 0")
 
 
+def fenced_blocks(text: str) -> list[tuple[str, str]]:
+    """``(tag, body)`` of each fenced block: a ``` opener, its tag up to the end of that line, the body up to the
+    next ```. One forward pass of ``str.find`` (linear in the text; a regex here was quadratic on "```python "
+    repeated without a newline, inside C code that no time limit can interrupt)."""
+    blocks = []
+    pos = 0
+    while (start := text.find("```", pos)) >= 0:
+        newline = text.find("\n", start + 3)
+        if newline < 0:
+            break
+        end = text.find("```", newline + 1)
+        if end < 0:
+            break
+        tag = _FENCE_TAG.match(text, start + 3, newline).group(1)
+        blocks.append((tag, text[newline + 1 : end]))
+        pos = end + 3
+    return blocks
+
+
 def extract_program(text: str) -> str:
     """The last fenced python block, else the last unlabelled fenced block, else the whole text."""
-    blocks = _FENCE.findall(text or "")
+    blocks = fenced_blocks(text or "")
     for wanted in (lambda tag: tag.lower() in _PYTHON_TAGS, lambda tag: tag == ""):
         chosen = [body for tag, body in blocks if wanted(tag)]
         if chosen:
@@ -108,7 +145,7 @@ def parse_tests(reference: Any) -> list[dict[str, str]]:
         if not isinstance(test, dict):
             raise ValueError(f"test {i} is {type(test).__name__}, not a dict")
         if "code" in test:
-            tests.append({"code": str(test["code"])})
+            tests.append({"code": _test_code(i, test["code"])})
             continue
         stdin = test.get("stdin", test.get("input"))
         stdout = test.get("stdout", test.get("output"))
@@ -116,6 +153,17 @@ def parse_tests(reference: Any) -> list[dict[str, str]]:
             raise ValueError(f"test {i} has neither 'code' nor 'stdout' (keys: {sorted(test)})")
         tests.append({"stdin": "" if stdin is None else str(stdin), "stdout": str(stdout)})
     return tests
+
+
+def _test_code(i: int, code: Any) -> str:
+    """A code test's source, checked: a non-empty string that compiles (else the reference is bad)."""
+    if not isinstance(code, str) or not code.strip():
+        raise ValueError(f"test {i} has 'code' {code!r}: it must be a non-empty string of Python statements")
+    try:
+        compile(code, f"<test {i}>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError) as e:
+        raise ValueError(f"test {i}'s code does not compile ({type(e).__name__}: {e})") from e
+    return code
 
 
 def outputs_match(expected: str, actual: str, compare: str) -> bool:
@@ -150,10 +198,11 @@ class CodeVerifier:
 
     def _run_test(self, program: str, test: dict[str, str]) -> tuple[str | None, str]:
         """``(None, "")`` when the test passes, else ``(why, detail)``."""
+        nonce = None
         if "code" in test:
-            result = self._sandbox.execute(
-                program + "\n\n" + test["code"] + "\n", limits=self._limits, backend=self.cfg.backend
-            )
+            nonce = secrets.token_hex(16)
+            job = json.dumps({"nonce": nonce, "program": program, "test": test["code"]})
+            result = self._sandbox.execute(_HARNESS, stdin=job, limits=self._limits, backend=self.cfg.backend)
         else:
             result = self._sandbox.execute(
                 program, stdin=test["stdin"], limits=self._limits, backend=self.cfg.backend
@@ -164,12 +213,17 @@ class CodeVerifier:
             return "memory", f"exceeded {self.cfg.memory_mb} MB"
         if result.output_truncated:
             return "output_limit", f"output passed {self.cfg.max_output_bytes} bytes"
+        if nonce is not None:
+            verdicts = [v for n, v in _VERDICT.findall(result.stdout) if n == nonce]
+            if len(verdicts) != 1:
+                return "early_exit", f"the run ended before the test finished (exit code {result.exit_code})"
+            if verdicts[0] == "pass" and result.exit_code == 0:
+                return None, ""
+            why = {"fail assertion": "wrong_answer", "fail exit": "early_exit"}.get(verdicts[0], "error")
+            return why, _tail(result.stderr) or f"exit code {result.exit_code}"
         if result.exit_code != 0:
-            last = _tail(result.stderr)
-            if "code" in test and last.startswith("AssertionError"):
-                return "wrong_answer", last
-            return "error", last or f"exit code {result.exit_code}"
-        if "stdout" in test and not outputs_match(test["stdout"], result.stdout, self.cfg.compare):
+            return "error", _tail(result.stderr) or f"exit code {result.exit_code}"
+        if not outputs_match(test["stdout"], result.stdout, self.cfg.compare):
             return "wrong_answer", f"expected {test['stdout'][:80]!r}, got {result.stdout[:80]!r}"
         return None, ""
 
@@ -179,12 +233,16 @@ class CodeVerifier:
             tests = parse_tests(sample.reference)
         except ValueError as e:
             return Score(0.0, None, {}, error=f"code: bad tests in reference: {e}")
-        program = extract_program(sample.completion)
         total = len(tests)
+        completion = sample.completion or ""
+        program = extract_program(completion) if len(completion) <= cfg.max_completion_chars else ""
         if not program.strip() or len(program) > cfg.max_program_chars:
-            why = (
-                "no program" if not program.strip() else f"program longer than {cfg.max_program_chars} chars"
-            )
+            if len(completion) > cfg.max_completion_chars:
+                why = f"completion longer than {cfg.max_completion_chars} chars"
+            elif not program.strip():
+                why = "no program"
+            else:
+                why = f"program longer than {cfg.max_program_chars} chars"
             return Score(0.0, False, {"passed": 0, "total": total, "failed": [], "reason": why})
         passed = 0
         failed: list[dict[str, Any]] = []

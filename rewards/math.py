@@ -52,6 +52,9 @@ class MathVerifierConfig:
     """An extracted answer longer than this is judged wrong without parsing (deeply nested input hangs sympy)."""
     cache_size: int = 65536
     """Entries kept in each of the gold and verdict caches (least recently used dropped); 0 disables them."""
+    max_scan_chars: int = 65536
+    """Only the last this-many characters of a completion are searched for the answer. Extraction is linear
+    in this length (bench/extraction.py); it bounds the cost of a degenerate, megabyte-long completion."""
     numeric_answer: bool = False
     """Only a number literal (integer, decimal, a/b or \\frac{a}{b}, optionally signed) can be correct. For
     computation tasks: symbolic equivalence alone would accept the question echoed back ("2+7" for "2+7=")."""
@@ -63,7 +66,7 @@ class MathVerifierConfig:
                 f"math verifier params.extraction={list(self.extraction)!r} is not valid: "
                 f"use a non-empty list of {list(EXTRACTIONS)}, e.g. ['boxed', 'answer_tag', 'last_line']"
             )
-        for name in ("timeout_s", "max_answer_chars"):
+        for name in ("timeout_s", "max_answer_chars", "max_scan_chars"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"math verifier params.{name}={getattr(self, name)!r} must be > 0")
         if self.cache_size < 0:
@@ -75,7 +78,9 @@ class MathVerifierConfig:
 # ---------------------------------------------------------------- answer extraction (pure string functions)
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)  # an escaped character, or a brace
+_ANSWER_OPEN = re.compile(r"<answer>", re.IGNORECASE)
+_ANSWER_CLOSE = re.compile(r"</answer>", re.IGNORECASE)
 _ANSWER_PREFIX = re.compile(
     r"^(?:\*\*)?(?:final answer|the final answer is|the answer is|answer)(?:\*\*)?\s*[:：]?\s*(?:\*\*)?",
     re.IGNORECASE,
@@ -83,39 +88,48 @@ _ANSWER_PREFIX = re.compile(
 _WORD = re.compile(r"[A-Za-z]{2,}")
 _LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
 
-
-def _braced(text: str, open_pos: int) -> str | None:
-    """The text inside the brace group opening at ``text[open_pos] == '{'``; None if it never closes."""
-    depth = 0
-    i = open_pos
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2  # an escaped character (\{ in a set) does not open or close a group
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_pos + 1 : i]
-        i += 1
-    return None
+# Every extraction below is one left-to-right pass (regex scans that cannot backtrack across the text, plus
+# a stack), so its cost is linear in the text's length. A repetition loop (an unclosed "\boxed{x " or
+# "<answer>" thousands of times) made the earlier "match each opener, then scan to its close" quadratic.
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``."""
-    for match in reversed(list(_BOXED.finditer(text))):
-        content = _braced(text, match.end() - 1)
-        if content is not None:
-            return content.strip()
-    return None
+    """The content of the last complete ``\\boxed{...}`` (or ``\\fbox{...}``) in ``text``.
+
+    "Last" is the complete group whose opener comes last (so ``\\boxed{\\boxed{1}}`` gives ``1``). Braces
+    match as in LaTeX: an escaped character (``\\{`` in a set) neither opens nor closes a group.
+    """
+    boxed_braces = {m.end() - 1 for m in _BOXED.finditer(text)}
+    if not boxed_braces:
+        return None
+    best: tuple[int, int] | None = None  # (opening brace, closing brace) of the last-opened complete group
+    stack: list[int] = []
+    for token in _BRACE_TOKEN.finditer(text):
+        ch = token.group()
+        if ch == "{":
+            stack.append(token.start())
+        elif ch == "}" and stack:
+            start = stack.pop()
+            if start in boxed_braces and (best is None or start > best[0]):
+                best = (start, token.start())
+    return text[best[0] + 1 : best[1]].strip() if best else None
 
 
 def last_answer_tag(text: str) -> str | None:
-    """The content of the last ``<answer>...</answer>``."""
-    found = _ANSWER_TAG.findall(text)
-    return found[-1].strip() if found else None
+    """The content of the last ``<answer>...</answer>`` (tags paired left to right, case-insensitive)."""
+    closes = [m.start() for m in _ANSWER_CLOSE.finditer(text)]
+    found: tuple[int, int] | None = None
+    pos, j = 0, 0
+    for m in _ANSWER_OPEN.finditer(text):
+        if m.start() < pos:
+            continue  # inside the pair just taken
+        while j < len(closes) and closes[j] < m.end():
+            j += 1
+        if j == len(closes):
+            break
+        found = (m.end(), closes[j])
+        pos = closes[j] + len("</answer>")
+    return text[found[0] : found[1]].strip() if found else None
 
 
 def last_line(text: str) -> str | None:
@@ -129,8 +143,15 @@ def last_line(text: str) -> str | None:
     return line or None
 
 
-def extract_answer(text: str, extraction: list[str]) -> tuple[str, str] | None:
-    """``(method, answer text)`` from the first extraction method that finds something, else None."""
+def extract_answer(
+    text: str, extraction: list[str], max_scan_chars: int | None = None
+) -> tuple[str, str] | None:
+    """``(method, answer text)`` from the first extraction method that finds something, else None.
+
+    Only the last ``max_scan_chars`` characters are searched (a final answer sits at the end); None scans all.
+    """
+    if max_scan_chars is not None and len(text) > max_scan_chars:
+        text = text[-max_scan_chars:]
     for method in extraction:
         if method == "boxed":
             found = last_boxed(text)
@@ -138,7 +159,7 @@ def extract_answer(text: str, extraction: list[str]) -> tuple[str, str] | None:
             found = last_answer_tag(text)
         elif method == "last_line":
             found = last_line(text)
-        else:  # latex / expr: math-verify's own extractors run over the whole text later
+        else:  # latex / expr: math-verify's own extractors run over the (scanned part of the) text later
             found = text if text.strip() else None
         if found:
             return method, found
@@ -275,7 +296,7 @@ class MathVerifier:
             return Score(
                 0.0, None, {}, error=f"math: sample has no reference answer (got {sample.reference!r})"
             )
-        found = extract_answer(sample.completion or "", self.cfg.extraction)
+        found = extract_answer(sample.completion or "", self.cfg.extraction, self.cfg.max_scan_chars)
         if found is None:
             return Score(0.0, False, {"extracted": None})
         method, answer = found

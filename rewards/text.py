@@ -14,10 +14,15 @@ from rewards.types import Score, Verifier, VerifierInput
 class FormatVerifierConfig:
     """Parameters of the ``format`` verifier."""
 
-    pattern: str = r"\\boxed\{.+\}"
-    """Regular expression searched for in the completion (Python ``re``, DOTALL); the default wants a \\boxed{}."""
+    pattern: str = r"\A(?=(.*?\\boxed\{))\1.+\}"
+    r"""Regular expression searched for in the completion (Python ``re``, DOTALL). The default wants a
+    ``\\boxed{`` with a ``}`` somewhere after it; the lookahead (atomic in ``re``) commits to the first ``\\boxed{``, so it is
+    linear where the plain ``\\boxed\{.+\}`` is quadratic on a repetition loop of unclosed boxes. A pattern
+    runs in C code that no time limit interrupts (the runner then kills the worker): keep yours linear."""
     full_match: bool = False
     """Require the whole (stripped) completion to match, not just a part of it."""
+    max_scan_chars: int = 65536
+    """Only the last this-many characters are matched (with ``full_match``, a longer completion fails)."""
 
     def __post_init__(self) -> None:
         try:
@@ -26,6 +31,8 @@ class FormatVerifierConfig:
             raise ValueError(
                 f"format verifier params.pattern={self.pattern!r} is not a valid regex: {e}"
             ) from e
+        if self.max_scan_chars <= 0:
+            raise ValueError(f"format verifier params.max_scan_chars={self.max_scan_chars!r} must be > 0")
 
 
 @register("format")
@@ -36,7 +43,10 @@ def format_verifier(**params: Any) -> Verifier:
 
     def verify(sample: VerifierInput) -> Score:
         text = (sample.completion or "").strip()
-        ok = bool(regex.fullmatch(text) if cfg.full_match else regex.search(text))
+        if cfg.full_match:
+            ok = len(text) <= cfg.max_scan_chars and bool(regex.fullmatch(text))
+        else:
+            ok = bool(regex.search(text[-cfg.max_scan_chars :]))
         return Score(1.0 if ok else 0.0, ok, {})
 
     return verify

@@ -5,7 +5,7 @@ import time
 import pytest
 
 from rewards import VerifierInput, build_verifier
-from rewards.math import extract_answer, last_boxed, last_line, looks_like_math
+from rewards.math import extract_answer, last_answer_tag, last_boxed, last_line, looks_like_math
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +123,44 @@ def test_boxed_extraction_is_balanced_and_takes_the_last():
     assert last_boxed("\\boxed{\\frac{1}{2}} and \\boxed{\\{1,2\\}}") == "\\{1,2\\}"
     assert last_boxed("\\boxed{1} \\boxed{2") == "1"  # the unclosed last one is skipped
     assert last_boxed("no box") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "boxed"),
+    [
+        ("\\boxed{\\boxed{1}}", "1"),  # the last-opened complete group
+        ("}}} \\boxed{a{b}c} {{", "a{b}c"),  # stray braces outside do not matter
+        ("\\fbox {x}", "x"),
+        ("\\\\boxed{3}", "3"),
+        ("\\boxed{", None),
+        ("\\boxed{2} " + "\\boxed{x " * 500, "2"),  # a repetition loop of unclosed boxes after the answer
+    ],
+)
+def test_boxed_extraction_edge_cases(text, boxed):
+    assert last_boxed(text) == boxed
+
+
+@pytest.mark.parametrize(
+    ("text", "tag"),
+    [
+        ("<answer>1</answer> x <Answer>2</ANSWER>", "2"),
+        ("<answer>1</answer><answer>2", "1"),
+        ("<answer><answer>3</answer>", "<answer>3"),  # tags pair left to right, as a non-greedy regex would
+        ("<answer>4</answer>" + "<answer>x " * 500, "4"),
+        ("no tags", None),
+    ],
+)
+def test_answer_tag_extraction(text, tag):
+    assert last_answer_tag(text) == tag
+
+
+def test_only_the_tail_is_scanned():
+    text = "\\boxed{7}" + " filler" * 20_000
+    assert extract_answer(text, ["boxed"]) == ("boxed", "7")
+    assert extract_answer(text, ["boxed"], max_scan_chars=1000) is None
+    assert extract_answer(text + "\\boxed{8}", ["boxed"], max_scan_chars=1000) == ("boxed", "8")
+    with pytest.raises(ValueError, match="max_scan_chars"):
+        build_verifier("math", max_scan_chars=0)
 
 
 def test_last_line_drops_answer_prefix_and_period():
