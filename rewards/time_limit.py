@@ -56,9 +56,12 @@ def _handler(signum, frame) -> None:
     if not expired:
         _arm()  # woke early (timer rounding): re-arm for what is left
         return
-    # The outermost expired limit wins: its owner is the one whose budget ran out.
+    # The outermost expired limit wins: its owner is the one whose budget ran out. The limits nested inside it
+    # are being unwound by its exception, so they are spent too: one of them firing during that unwinding (a
+    # nested limit of about the same length) would replace the outer exception with one nobody handles.
     _, exc = expired[0]
-    _fired.add(id(exc))
+    inner = next(i for i, (_, e) in enumerate(_stack) if e is exc)
+    _fired.update(id(e) for _, e in _stack[inner:])
     _arm()
     raise exc
 

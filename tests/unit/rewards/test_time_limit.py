@@ -49,6 +49,22 @@ def test_outer_limit_wins_when_it_expires_first():
     assert info.value is outer
 
 
+def test_an_inner_limit_just_after_the_outer_never_replaces_its_exception():
+    # The math verifier's own limit nested in the runner's, both 2 s (seen in bench/fuzz_rewards.py): the outer
+    # fired, and the inner, armed a moment later, fired while the inner owner was unwinding, so an exception
+    # nobody handled killed the reward worker. Here the inner owner re-raises what is not its own, slowly.
+    for _ in range(5):
+        with pytest.raises(TimeLimitExceeded) as info, time_limit(0.05, "outer") as outer:
+            with time_limit(0.0501, "inner") as inner:
+                try:
+                    _spin(5)
+                except TimeLimitExceeded as e:
+                    assert e is not inner
+                    _spin(0.05)  # the inner deadline passes while its owner handles the outer exception
+                    raise
+        assert info.value is outer
+
+
 def test_off_the_main_thread_it_is_a_no_op():
     seen = []
 
