@@ -17,10 +17,11 @@ its scheme (``models:/quickstart@best`` is served as ``quickstart@best``: SGLang
 model name) unless ``--served-model-name`` says otherwise; the built-in engine also accepts the reference as typed.
 
 What the built-in engine honours (everything else answers 400 naming the field, never silently ignored):
-- completions: ``prompt`` (str, [str], [int] or [[int]]), ``max_tokens`` (default 16), ``temperature`` (0-2,
-  0 = greedy), ``top_p``, ``n`` (1-128), ``stop`` (str or up to 16 strings), ``stop_token_ids`` (SGLang's
-  extension), ``seed``, ``stream`` + ``stream_options.include_usage``, ``logprobs: 0`` (the logprob of each
-  sampled token; top alternatives, ``logprobs > 0``, are not computed), ``user`` (ignored).
+- completions: ``prompt`` (str, [str], [int] or [[int]]), ``max_tokens`` (default 16), ``temperature`` (0 =
+  greedy, or 1e-6 to 2: a denormal temperature would turn the logits into infinities), ``top_p``, ``n``
+  (1-128), ``stop`` (str or up to 16 strings), ``stop_token_ids`` (SGLang's extension), ``seed``, ``stream`` +
+  ``stream_options.include_usage``, ``logprobs: 0`` (the logprob of each sampled token; top alternatives,
+  ``logprobs > 0``, are not computed), ``user`` (ignored).
 - chat: ``messages`` (roles system/developer/user/assistant; string content or text parts) rendered with the
   tokenizer's chat template and the generation prompt, ``max_tokens`` or ``max_completion_tokens`` (default:
   the rest of the context), ``logprobs: true`` (``top_logprobs`` 0), ``response_format`` text, and the same
@@ -38,10 +39,18 @@ What the built-in engine honours (everything else answers 400 naming the field, 
   top-p truncation, what SGLang reports too.
 
 Errors follow OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: 400 for malformed or
-unsupported requests (bad JSON, wrong types, empty or too long prompts, out-of-range values), 404 for an
-unknown model (code ``model_not_found``) or route, 405 for a wrong method, 500 only for a failure inside the
-engine. A prompt that leaves no room in the model's context, or asks ``max_tokens`` beyond it, gets code
-``context_length_exceeded``.
+unsupported requests (bad JSON, wrong types, empty or too long prompts, out-of-range or non-finite values, text
+with a lone surrogate), 404 for an unknown model (code ``model_not_found``) or route, 405 for a wrong method,
+413 for a body over ``max_body_bytes`` (8 MiB by default; code ``request_too_large``, refused as soon as its
+``Content-Length`` or the bytes received pass the limit), 500 only for a failure inside the engine. A prompt
+that leaves no room in the model's context, or asks ``max_tokens`` beyond it, gets code
+``context_length_exceeded``; a text longer than any text of that many tokens gets it before it is tokenized.
+A refused request leaves the keep-alive connection open.
+
+Heavy work stays off the event loop, so one huge request never holds up the others: a large body is parsed,
+and every request is validated, tokenized and rendered with the chat template, in a worker thread
+(app/rollout/http_common.py has the body reader and the value checks shared with the native routes). A client
+that hangs up before its body is in costs one log line.
 
 Not covered: tools / function calling, ``echo``, ``suffix``, ``best_of > n``, penalties, ``logit_bias``,
 top-k logprobs, images, embeddings, the Responses API.
@@ -54,7 +63,6 @@ import contextlib
 import importlib.util
 import json
 import logging
-import math
 import os
 import shlex
 import sys
@@ -70,8 +78,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.rollout import http_common as http
 from app.rollout.base import Completion, SamplingParams
 from app.rollout.embedded import EmbeddedEngine
+from app.rollout.http_common import DEFAULT_MAX_BODY_BYTES, FieldError, describe, is_int
 from app.rollout.local_server import create_app
 
 logger = logging.getLogger(__name__)
@@ -81,8 +91,7 @@ MAX_N = 128
 MAX_SEQUENCES = 4096
 """Most sequences (prompts x n) one request may ask for; more is refused rather than left to hog the server."""
 MAX_STOPS = 16
-SEED_RANGE = (-(2**63), 2**64 - 1)
-"""What ``torch.Generator.manual_seed`` accepts; a seed outside it would fail inside the engine (a 500)."""
+MAX_TEMPERATURE = 2.0
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates; those in the vocabulary stop chat replies."""
 
@@ -106,7 +115,10 @@ class APIError(Exception):
         self.message, self.param, self.code, self.status, self.type = message, param, code, status, type
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+        # printable: a message or param may quote a client's text, lone surrogates included.
+        param = None if self.param is None else http.printable(self.param)
+        message = http.printable(self.message)
+        return {"error": {"message": message, "type": self.type, "param": param, "code": self.code}}
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
@@ -120,22 +132,19 @@ def _kind(value: Any) -> str:
     )
 
 
-def _show(value: Any) -> str:
-    text = json.dumps(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    # An int is finite however large (math.isfinite would overflow converting 10**400 to a float).
-    return _is_int(value) or (isinstance(value, float) and math.isfinite(value))
+_show = describe
 
 
 def _bad_type(param: str, value: Any, expected: str) -> APIError:
     return APIError(f"{param} must be {expected}, got {_kind(value)} {_show(value)}", param=param)
+
+
+def _checked(check: Callable[..., Any], value: Any, param: str, *args: Any, **kwargs: Any) -> Any:
+    """A value through one of the checks shared with the rollout server (app/rollout/http_common.py)."""
+    try:
+        return check(value, param, *args, **kwargs)
+    except FieldError as exc:
+        raise APIError(exc.message, param=exc.field) from None
 
 
 # ---------------------------------------------------------------------------------------------- request parsing
@@ -208,6 +217,8 @@ class ServedModel:
     chat_stop_ids: tuple[int, ...]
     vocab_size: int
     max_positions: int | None
+    max_prompt_chars: int | None = None
+    """Longer texts cannot fit in the context: refused before they are tokenized."""
     aliases: tuple[str, ...] = ()
     """Other names accepted in requests (the reference as typed, e.g. ``models:/NAME@best``)."""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -251,23 +262,12 @@ def _check_model(body: dict, served: ServedModel) -> None:
 
 def _sampling(body: dict, served: ServedModel, prompts: list[list[int]], *, chat: bool) -> SamplingParams:
     temperature = body.get("temperature")
-    if temperature is None:
-        temperature = 1.0
-    if not _is_number(temperature) or not 0 <= temperature <= 2:
-        raise APIError(
-            f"temperature must be a number between 0 and 2 (0 = greedy), got {_show(temperature)}",
-            param="temperature",
-        )
+    temperature = 1.0 if temperature is None else temperature
+    temperature = _checked(http.temperature, temperature, "temperature", maximum=MAX_TEMPERATURE)
     top_p = body.get("top_p")
-    if top_p is None:
-        top_p = 1.0
-    if not _is_number(top_p) or not 0 < top_p <= 1:
-        raise APIError(f"top_p must be a number in (0, 1], got {_show(top_p)}", param="top_p")
+    top_p = 1.0 if top_p is None else _checked(http.top_p, top_p, "top_p")
     n = body.get("n")
-    if n is None:
-        n = 1
-    if not _is_int(n) or not 1 <= n <= MAX_N:
-        raise APIError(f"n must be an integer between 1 and {MAX_N}, got {_show(n)}", param="n")
+    n = 1 if n is None else _checked(http.bounded_int, n, "n", 1, MAX_N)
     if n * len(prompts) > MAX_SEQUENCES:
         raise APIError(
             f"{len(prompts)} prompts x n={n} is {n * len(prompts)} sequences; one request may ask for at most "
@@ -275,28 +275,22 @@ def _sampling(body: dict, served: ServedModel, prompts: list[list[int]], *, chat
             param="prompt",
         )
     best_of = body.get("best_of")
-    if best_of is not None and (not _is_int(best_of) or best_of != n):
+    if best_of is not None and (not is_int(best_of) or best_of != n):
         raise APIError(f"best_of must equal n ({n}) or be omitted, got {_show(best_of)}", param="best_of")
     seed = body.get("seed")
-    if seed is not None and not _is_int(seed):
-        raise _bad_type("seed", seed, "an integer")
-    if seed is not None and not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
-        raise APIError(f"seed must be in [-2**63, 2**64 - 1], got {_show(seed)}", param="seed")
+    if seed is not None:
+        seed = _checked(http.seed, seed, "seed")
     stop_ids = body.get("stop_token_ids")
-    if stop_ids is None:
-        stop_ids = []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < served.vocab_size for t in stop_ids):
-        raise APIError(
-            f"stop_token_ids must be a list of token ids in [0, {served.vocab_size}), got {_show(stop_ids)}",
-            param="stop_token_ids",
-        )
+    stop_ids = (
+        [] if stop_ids is None else _checked(http.token_ids, stop_ids, "stop_token_ids", served.vocab_size)
+    )
     if chat:
         stop_ids = [*stop_ids, *served.chat_stop_ids]
 
     names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
     given = {k: body[k] for k in names if body.get(k) is not None}
     for key, value in given.items():
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise APIError(f"{key} must be an integer >= 1, got {_show(value)}", param=key)
     if len(set(given.values())) > 1:
         raise APIError(
@@ -345,6 +339,8 @@ def _stops(body: dict) -> tuple[str, ...]:
         raise APIError(f"stop has {len(stops)} strings; give at most {MAX_STOPS}", param="stop")
     if any(s == "" for s in stops):
         raise APIError("stop strings must not be empty", param="stop")
+    for stop in stops:
+        _checked(http.unicode_text, stop, "stop")
     return tuple(dict.fromkeys(stops))
 
 
@@ -368,13 +364,26 @@ def _stream_flags(body: dict) -> tuple[bool, bool]:
 
 def _encode(text: str, where: str, param: str, served: ServedModel) -> list[int]:
     """Token ids of ``text``; 400 for text no tokenizer takes (a lone surrogate such as ``"\\ud800"``)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise APIError(
-            f"{where} is not valid Unicode: {exc.reason} at character {exc.start}", param=param
-        ) from None
+    _check_text(text, where, param, served)
     return list(served.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _check_text(text: str, where: str, param: str, served: ServedModel) -> None:
+    """Before tokenizing: valid Unicode, and not so long that it cannot fit in the context (see
+    ``max_prompt_chars`` in app/rollout/http_common.py)."""
+    try:
+        http.unicode_text(text, where)
+    except FieldError as exc:
+        raise APIError(exc.message, param=param) from None
+    length = len(text)
+    if served.max_prompt_chars is not None and length > served.max_prompt_chars:
+        raise APIError(
+            f"this model's maximum context length is {served.max_positions} tokens and {where} has {length} "
+            f"characters, more than any text of that many tokens ({served.max_prompt_chars} characters at "
+            "most); shorten it",
+            param=param,
+            code="context_length_exceeded",
+        )
 
 
 def _check_prompt_ids(ids: list[int], where: str, served: ServedModel) -> list[int]:
@@ -404,10 +413,10 @@ def parse_completion(body: Any, served: ServedModel) -> _Parsed:
         raw = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         raw = list(prompt)
-    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+    elif isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         raw = [prompt]
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        if not all(all(_is_int(t) for t in p) for p in prompt):
+        if not all(all(is_int(t) for t in p) for p in prompt):
             raise _bad_type("prompt", prompt, "token ids (an array of arrays of integers)")
         raw = list(prompt)
     elif isinstance(prompt, list) and not prompt:
@@ -419,6 +428,9 @@ def parse_completion(body: Any, served: ServedModel) -> _Parsed:
             f"{len(raw)} prompts; one request may ask for at most {MAX_SEQUENCES} sequences: split it",
             param="prompt",
         )
+    for i, item in enumerate(raw):  # every text checked before any is tokenized
+        if isinstance(item, str):
+            _check_text(item, "prompt" if len(raw) == 1 else f"prompt[{i}]", "prompt", served)
     prompts = []
     for i, item in enumerate(raw):
         where = "prompt" if len(raw) == 1 else f"prompt[{i}]"
@@ -432,7 +444,7 @@ def parse_completion(body: Any, served: ServedModel) -> _Parsed:
             ids = list(item)
         prompts.append(_check_prompt_ids(ids, where, served))
     logprobs = body.get("logprobs")
-    if logprobs is not None and (not _is_int(logprobs) or logprobs < 0):
+    if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
         raise APIError(f"logprobs must be an integer >= 0, got {_show(logprobs)}", param="logprobs")
     if logprobs:
         raise APIError(
@@ -505,6 +517,11 @@ def parse_chat(body: Any, served: ServedModel) -> _Parsed:
                 f"{where}.tool_calls: function calling is not supported", param=f"{where}.tool_calls"
             )
         rendered.append({"role": _ROLES[role], "content": _message_text(message.get("content"), where)})
+    for i, message in enumerate(rendered):
+        try:
+            http.unicode_text(message["content"], f"messages[{i}].content")
+        except FieldError as exc:
+            raise APIError(exc.message, param="messages") from None
     response_format = body.get("response_format")
     if response_format is not None and response_format != {"type": "text"}:
         raise APIError(
@@ -865,22 +882,22 @@ def create_openai_app(
     max_batch_size: int = 256,
     batch_window_ms: float = 5.0,
     aliases: tuple[str, ...] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The built-in CPU server (native SGLang routes) plus the OpenAI-compatible ``/v1`` routes.
 
-    ``model_name`` is what ``/v1/models`` lists; requests may also name any of ``aliases``.
+    ``model_name`` is what ``/v1/models`` lists; requests may also name any of ``aliases``. ``max_body_bytes``:
+    the largest request body read, on every route (a larger one answers 413).
     """
-    app = create_app(
+    app = create_app(  # it also warms the tokenizer up before it is used from several threads
         engine,
         model_path=model_path,
         max_batch_size=max_batch_size,
         batch_window_ms=batch_window_ms,
         tokenizer=tokenizer,
         served_model_name=model_name,
+        max_body_bytes=max_body_bytes,
     )
-    # Encode once before any request: a fast tokenizer may switch off its stored padding/truncation on the
-    # first call (a mutation), which must not race with the decoding done in the generating thread.
-    tokenizer("warm-up", add_special_tokens=False)
     served = ServedModel(
         name=model_name,
         root=model_path,
@@ -888,6 +905,7 @@ def create_openai_app(
         chat_stop_ids=_chat_stop_ids(engine, tokenizer),
         vocab_size=engine.vocab_size,
         max_positions=engine.max_positions,
+        max_prompt_chars=app.state.max_prompt_chars,
         aliases=tuple(a for a in aliases if a != model_name),
     )
     app.state.served = served
@@ -911,16 +929,16 @@ def create_openai_app(
         return APIError(message, code=code, status=exc.status_code).response()
 
     async def body_of(request: Request) -> Any:
-        raw = await request.body()
         try:
-            return json.loads(raw)
-        # ValueError: JSONDecodeError, UnicodeDecodeError and an integer of over 4300 digits; RecursionError:
-        # arrays or objects nested thousands deep.
-        except (ValueError, RecursionError) as exc:
-            raise APIError(f"the request body is not valid JSON: {exc}") from None
+            return await http.read_json(request, max_body_bytes)
+        except http.BodyError as exc:
+            code = "request_too_large" if exc.status == 413 else None
+            raise APIError(exc.message, status=exc.status, code=code) from None
 
     async def generate(request: Request, parse: Callable[[Any, ServedModel], _Parsed]):
-        parsed = parse(await body_of(request), served)
+        # Parsed in a worker thread: tokenizing a long prompt or rendering a long chat takes a while, and
+        # other clients must not wait for it.
+        parsed = await asyncio.to_thread(parse, await body_of(request), served)
         if parsed.stream:
             return StreamingResponse(
                 _stream(request.app, served, parsed),
@@ -981,6 +999,7 @@ def build_app(
     max_batch_size: int = 256,
     batch_window_ms: float = 5.0,
     aliases: tuple[str, ...] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """Load ``model_dir`` (HF format) into the built-in engine and return the OpenAI-compatible app."""
     from transformers import AutoTokenizer
@@ -995,6 +1014,7 @@ def build_app(
         max_batch_size=max_batch_size,
         batch_window_ms=batch_window_ms,
         aliases=aliases,
+        max_body_bytes=max_body_bytes,
     )
 
 
@@ -1091,6 +1111,7 @@ def serve(
     batch_window_ms: float = 5.0,
     sglang_args: str = "",
     sglang_python: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     announce: Callable[[str], None] = print,
 ) -> None:
     """Resolve ``ref`` and serve it until interrupted (SGLang replaces this process; see the module docstring).
@@ -1105,6 +1126,8 @@ def serve(
         raise ValueError(f"--max-batch-size {max_batch_size} must be >= 1")
     if batch_window_ms < 0:
         raise ValueError(f"--batch-window-ms {batch_window_ms} must be >= 0")
+    if max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes {max_body_bytes} must be >= 1")
     kind = choose_engine(engine, sglang_python=sglang_python)
     source = lookup(ref, tracking_uri=tracking_uri)
     model_dir = fetch(source, tracking_uri=tracking_uri)
@@ -1135,6 +1158,7 @@ def serve(
         max_batch_size=max_batch_size,
         batch_window_ms=batch_window_ms,
         aliases=(ref,),  # the reference as typed is accepted too
+        max_body_bytes=max_body_bytes,
     )
     announce(f"engine: built-in CPU server; OpenAI API at http://{host}:{port}/v1 as model {name!r}")
     with contextlib.suppress(KeyboardInterrupt):

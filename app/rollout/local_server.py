@@ -18,6 +18,21 @@ Endpoints:
   batching counters under ``"trustbatch"``).
 - ``POST /update_weights_from_disk``, ``GET|POST /flush_cache``, ``POST /pause_generation``,
   ``POST /continue_generation``.
+- ``POST /abort_request`` (SGLang's shape: ``{"rid": str, "abort_all": bool}``, an empty 200): the queued
+  prompts of the request with that ``rid`` (every queued prompt with ``abort_all``) are answered at once with
+  ``finish_reason {"type": "abort"}``; a running batch finishes, as with ``abort_all_requests`` below. An empty
+  ``rid`` without ``abort_all``, or an ``rid`` no queued request has, is ignored, as in SGLang.
+
+Requests (app/rollout/http_common.py, shared with ``trustbatch serve``): a body over ``max_body_bytes`` (8 MiB
+unless the server is given another) answers 413 ``{"error": ...}`` as soon as its ``Content-Length``, or the
+bytes received, pass the limit; anything malformed answers 400 ``{"error": ...}`` and leaves the keep-alive
+connection open: bad JSON, wrong types, non-finite numbers, a temperature other than 0 below 1e-6 (it would
+turn the logits into infinities), a ``sampling_seed`` outside [-2**63, 2**64 - 1], ``max_new_tokens`` outside
+[1, 2**31 - 1], more than ``MAX_SEQUENCES`` sequences (prompts x n) in one request, stop ids outside the
+vocabulary, text or ``rid`` with a lone surrogate. A ``text`` prompt longer than any text that fits in the
+context is refused before it is tokenized; parsing a request (tokenizing its texts included) runs in a worker
+thread, so a huge request never holds up the others. A client that hangs up before its body is in costs one
+log line.
 
 Batching: each prompt of each request becomes an item on one queue. A scheduler task waits for the first item,
 then collects for ``batch_window_ms`` (measured from that item's arrival, so items that queued up behind a
@@ -56,26 +71,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import functools
 import logging
 import time
 import uuid
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from app.rollout import http_common as http
 from app.rollout.base import Completion, SamplingParams, WeightSource
 from app.rollout.embedded import EmbeddedEngine
+from app.rollout.http_common import DEFAULT_MAX_BODY_BYTES, ClientGone, FieldError, describe, is_int
 
 logger = logging.getLogger(__name__)
 
 SERVER_VERSION = "trustbatch-local"
 _TOP_K_ALL = 1 << 30  # SGLang's default top_k (1073741824) means "no top-k"
+MAX_SEQUENCES = 1 << 16
+"""Most sequences (prompts x n) one ``/generate`` may ask for; more is refused rather than left to hog the server."""
 
 # SGLang 0.5.23 api_types.SamplingParams, in its order. Unknown keys are rejected; each key not in
 # _SUPPORTED must keep its neutral value (checked by _NEUTRAL) or the request is refused with a clear message.
@@ -124,18 +144,17 @@ _IGNORED = ("stream_interval",)  # meaningful only for streaming, which is refus
 
 
 class RequestError(ValueError):
-    """A malformed or unsupported request: answered with 400 and this message."""
+    """A malformed or unsupported request: answered with ``status`` (400 unless said) and this message."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 # ---- request parsing ---------------------------------------------------------------------------------------
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+# ---- request parsing ---------------------------------------------------------------------------------------
 
 
 def _type_name(value: Any) -> str:
@@ -147,7 +166,7 @@ def _type_name(value: Any) -> str:
 def _expect(cond: bool, where: str, value: Any, expected: str) -> None:
     if not cond:
         raise RequestError(
-            f"invalid type: {_type_name(value)} {json.dumps(value)[:60]} at {where}, expected {expected}"
+            f"invalid type: {_type_name(value)} {describe(value)} at {where}, expected {expected}"
         )
 
 
@@ -158,9 +177,13 @@ class _TextOptions:
 
 
 def parse_sampling_params(
-    raw: Any, where: str = "sampling_params"
+    raw: Any, where: str = "sampling_params", *, vocab_size: int
 ) -> tuple[SamplingParams, _TextOptions, bool]:
-    """SGLang ``sampling_params`` dict -> (engine SamplingParams, text options, seeded?); RequestError if invalid."""
+    """SGLang ``sampling_params`` dict -> (engine SamplingParams, text options, seeded?); RequestError if invalid.
+
+    The values go through the checks shared with ``trustbatch serve`` (app/rollout/http_common.py): finite
+    numbers, a temperature of 0 or at least 1e-6, a seed the engine's generator takes, stop ids in the vocabulary.
+    """
     if raw is None:
         raw = {}
     _expect(isinstance(raw, dict), where, raw, "a map of sampling parameters")
@@ -171,32 +194,28 @@ def parse_sampling_params(
             )
     for key, (accepts, message) in _NEUTRAL.items():
         if key in raw and not accepts(raw[key]):
-            raise RequestError(
-                f"{where}.{key} = {json.dumps(raw[key])[:60]}: {message} by the built-in CPU server"
-            )
+            raise RequestError(f"{where}.{key} = {describe(raw[key])}: {message} by the built-in CPU server")
     get = {k: v for k, v in raw.items() if v is not None}
     kwargs: dict[str, Any] = {}
-    if "max_new_tokens" in get:
-        _expect(
-            _is_int(get["max_new_tokens"]), f"{where}.max_new_tokens", get["max_new_tokens"], "an integer"
-        )
-        kwargs["max_new_tokens"] = get["max_new_tokens"]
-    for key in ("temperature", "top_p"):
-        if key in get:
-            _expect(_is_number(get[key]), f"{where}.{key}", get[key], "a number")
-            kwargs[key] = float(get[key])
-    if "n" in get:
-        _expect(_is_int(get["n"]), f"{where}.n", get["n"], "an integer")
-        kwargs["n"] = get["n"]
-    if "stop_token_ids" in get:
-        ids = get["stop_token_ids"]
-        _expect(
-            isinstance(ids, list) and all(_is_int(t) for t in ids), f"{where}.stop_token_ids", ids, "[int]"
-        )
-        kwargs["stop_token_ids"] = tuple(ids)
-    if "sampling_seed" in get:
-        _expect(_is_int(get["sampling_seed"]), f"{where}.sampling_seed", get["sampling_seed"], "an integer")
-        kwargs["seed"] = get["sampling_seed"]
+    try:
+        if "max_new_tokens" in get:
+            budget = get["max_new_tokens"]
+            kwargs["max_new_tokens"] = http.bounded_int(
+                budget, f"{where}.max_new_tokens", 1, http.MAX_NEW_TOKENS
+            )
+        if "temperature" in get:
+            kwargs["temperature"] = http.temperature(get["temperature"], f"{where}.temperature")
+        if "top_p" in get:
+            kwargs["top_p"] = http.top_p(get["top_p"], f"{where}.top_p")
+        if "n" in get:
+            kwargs["n"] = http.bounded_int(get["n"], f"{where}.n", 1, MAX_SEQUENCES)
+        if "stop_token_ids" in get:
+            ids = http.token_ids(get["stop_token_ids"], f"{where}.stop_token_ids", vocab_size)
+            kwargs["stop_token_ids"] = tuple(ids)
+        if "sampling_seed" in get:
+            kwargs["seed"] = http.seed(get["sampling_seed"], f"{where}.sampling_seed")
+    except FieldError as exc:
+        raise RequestError(exc.message) from None
     text = {}
     for key in _TEXT_ONLY:
         if key in get:
@@ -204,7 +223,7 @@ def parse_sampling_params(
             text[key] = get[key]
     for key in _IGNORED:
         if key in get:
-            _expect(_is_int(get[key]), f"{where}.{key}", get[key], "an integer")
+            _expect(is_int(get[key]), f"{where}.{key}", get[key], "an integer")
     try:
         params = SamplingParams(**kwargs)
     except ValueError as exc:
@@ -222,6 +241,8 @@ class _Prompt:
     text_options: _TextOptions
     return_logprob: bool
     group: tuple
+    rid: str | None = None
+    """The request's ``rid`` for this prompt (what ``/abort_request`` names)."""
     future: asyncio.Future | None = None
     on_token: Callable[[int, int, float, str | None], bool] | None = None
     """Optional, called in the generating thread with (sample k, token id, its logprob, finish reason or None) as
@@ -246,8 +267,15 @@ def _per_prompt(value: Any, count: int, name: str) -> list[Any]:
     return [value] * count
 
 
-def parse_generate(body: Any, *, tokenizer, vocab_size: int, max_positions: int | None) -> _GenerateRequest:
-    """Validate a ``/generate`` body (SGLang's GenerateRequest; unknown top-level keys ignored)."""
+def parse_generate(
+    body: Any, *, tokenizer, vocab_size: int, max_positions: int | None, max_chars: int | None = None
+) -> _GenerateRequest:
+    """Validate a ``/generate`` body (SGLang's GenerateRequest; unknown top-level keys ignored).
+
+    Everything cheap is checked before any text is tokenized, and a text longer than ``max_chars`` characters
+    (see ``http_common.max_prompt_chars``) is refused without tokenizing it. This may take a while for a large
+    body (tokenizing): the server runs it in a worker thread.
+    """
     _expect(isinstance(body, dict), "the request body", body, "a JSON object (GenerateRequest)")
     if body.get("stream"):
         raise RequestError("stream = true is not supported by the built-in CPU server; send stream = false")
@@ -260,6 +288,7 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, max_positions: int 
     has_ids, has_text = body.get("input_ids") is not None, body.get("text") is not None
     if has_ids == has_text:
         raise RequestError("give exactly one of input_ids ([int] or [[int]]) or text (str or [str])")
+    texts: list[str] | None = None
     if has_ids:
         ids = body["input_ids"]
         _expect(isinstance(ids, list) and len(ids) > 0, "input_ids", ids, "a non-empty [int] or [[int]]")
@@ -267,9 +296,10 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, max_positions: int 
         prompts = [ids] if single else ids
         for i, prompt in enumerate(prompts):
             where = "input_ids" if single else f"input_ids[{i}]"
-            _expect(isinstance(prompt, list) and all(_is_int(t) for t in prompt), where, prompt, "[int]")
+            _expect(isinstance(prompt, list) and all(is_int(t) for t in prompt), where, prompt, "[int]")
             if not prompt:
                 raise RequestError(f"{where} is empty; every prompt needs at least one token")
+        count = len(prompts)
     else:
         if tokenizer is None:
             raise RequestError(
@@ -284,21 +314,19 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, max_positions: int 
             text,
             "str or [str]",
         )
-        prompts = [list(tokenizer.encode(t)) for t in texts]
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise RequestError(f"text[{i}] encodes to zero tokens; every prompt needs at least one token")
-    for i, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not 0 <= t < vocab_size]
-        if bad:
-            raise RequestError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
-        if max_positions is not None and len(prompt) >= max_positions:
-            raise RequestError(
-                f"prompt {i} has {len(prompt)} tokens, leaving no room under the model's "
-                f"max_position_embeddings={max_positions}; shorten it"
-            )
+        for i, item in enumerate(texts):
+            where = "text" if single else f"text[{i}]"
+            try:
+                http.unicode_text(item, where)
+            except FieldError as exc:
+                raise RequestError(exc.message) from None
+            if max_chars is not None and len(item) > max_chars:
+                raise RequestError(
+                    f"{where} has {len(item)} characters: more than any text that fits in the model's "
+                    f"max_position_embeddings={max_positions} tokens ({max_chars} characters at most); shorten it"
+                )
+        count = len(texts)
 
-    count = len(prompts)
     raw_params = body.get("sampling_params")
     per_params = raw_params if isinstance(raw_params, list) else None
     if per_params is not None and len(per_params) != count:
@@ -308,10 +336,10 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, max_positions: int 
         _expect(isinstance(flag, bool) or flag is None, "return_logprob", flag, "bool or [bool]")
     for key, neutral in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
         for value in _per_prompt(body.get(key), count, key):
-            _expect(value is None or _is_int(value), key, value, "int or [int]")
+            _expect(value is None or is_int(value), key, value, "int or [int]")
             if value is not None and value != neutral and not (key == "logprob_start_len" and value < 0):
                 raise RequestError(
-                    f"{key} = {value} is not supported by the built-in CPU server (output logprobs only)"
+                    f"{key} = {describe(value)} is not supported by the built-in CPU server (output logprobs only)"
                 )
     if not _empty(body.get("token_ids_logprob")):
         raise RequestError("token_ids_logprob is not supported by the built-in CPU server")
@@ -319,17 +347,47 @@ def parse_generate(body: Any, *, tokenizer, vocab_size: int, max_positions: int 
     rids = _per_prompt(rid, count, "rid")
     for r in rids:
         _expect(r is None or isinstance(r, str), "rid", r, "str or [str]")
+        if r is not None:
+            try:
+                http.unicode_text(r, "rid")  # it comes back as meta_info.id
+            except FieldError as exc:
+                raise RequestError(exc.message) from None
+
+    sampling = []
+    for i in range(count):
+        where = f"sampling_params[{i}]" if per_params is not None else "sampling_params"
+        raw = per_params[i] if per_params is not None else raw_params
+        sampling.append(parse_sampling_params(raw, where, vocab_size=vocab_size))
+    sequences = sum(params.n for params, _, _ in sampling)
+    if sequences > MAX_SEQUENCES:
+        raise RequestError(
+            f"this request asks for {sequences} sequences (prompts x n); one request may ask for at most "
+            f"{MAX_SEQUENCES}: split it"
+        )
+
+    if texts is not None:
+        prompts = [list(tokenizer.encode(t)) for t in texts]
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise RequestError(f"text[{i}] encodes to zero tokens; every prompt needs at least one token")
+    for i, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise RequestError(f"prompt {i} has token ids outside [0, {vocab_size}): {describe(bad[:5])}")
+        if max_positions is not None and len(prompt) >= max_positions:
+            raise RequestError(
+                f"prompt {i} has {len(prompt)} tokens, leaving no room under the model's "
+                f"max_position_embeddings={max_positions}; shorten it"
+            )
 
     request_key = uuid.uuid4().hex
     parsed = []
-    for i, prompt in enumerate(prompts):
-        where = f"sampling_params[{i}]" if per_params is not None else "sampling_params"
-        params, options, seeded = parse_sampling_params(
-            per_params[i] if per_params is not None else raw_params, where
-        )
+    for i, (prompt, (params, options, seeded)) in enumerate(zip(prompts, sampling, strict=True)):
         # A seeded request runs alone so it reproduces generate_sync(its prompts, params) exactly.
         group = (params, request_key) if seeded else (params,)
-        parsed.append(_Prompt([int(t) for t in prompt], params, options, bool(logprob_flags[i]), group))
+        parsed.append(
+            _Prompt([int(t) for t in prompt], params, options, bool(logprob_flags[i]), group, rid=rids[i])
+        )
     return _GenerateRequest(parsed, single, rids)
 
 
@@ -399,6 +457,9 @@ class _Scheduler:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task | None = None
+        # Generation has a thread of its own: requests being parsed (tokenized) in the default pool never
+        # keep a batch waiting for a free worker.
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-generate")
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="rollout-scheduler")
@@ -408,6 +469,7 @@ class _Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._executor.shutdown(wait=False)
 
     @property
     def alive(self) -> bool:
@@ -437,14 +499,18 @@ class _Scheduler:
         self.submit(prompt)
         return prompt.future
 
-    def abort_queued(self) -> int:
-        """Answer every queued (not yet running) prompt with an abort; returns how many."""
-        count = 0
+    def abort_queued(self, rid: str | None = None) -> int:
+        """Answer the queued (not yet running) prompts with an abort, all of them or those of request ``rid``;
+        returns how many."""
+        count, kept = 0, deque()
         while self.queue:
-            _, prompt = self.queue.popleft()
-            if not prompt.future.done():
+            arrival, prompt = self.queue.popleft()
+            if rid is not None and prompt.rid != rid:
+                kept.append((arrival, prompt))
+            elif not prompt.future.done():
                 prompt.future.set_result(None)  # None = aborted
                 count += 1
+        self.queue.extend(kept)
         return count
 
     async def pause(self) -> None:
@@ -497,8 +563,11 @@ class _Scheduler:
             params = group[0].params
             on_step = _token_hooks(group, params.n)
             try:
-                completions = await asyncio.to_thread(
-                    self.engine.generate_sync, [p.input_ids for p in group], params, on_step=on_step
+                completions = await asyncio.get_running_loop().run_in_executor(
+                    self._executor,
+                    functools.partial(
+                        self.engine.generate_sync, [p.input_ids for p in group], params, on_step=on_step
+                    ),
                 )
             except Exception as exc:  # noqa: BLE001 - reported to the requests of this group, never kills the loop
                 logger.exception("generation failed")
@@ -546,17 +615,15 @@ def _token_hooks(group: list[_Prompt], n: int):
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+    return JSONResponse({"error": http.printable(message)}, status_code=status)
 
 
 async def _json_body(request: Request, *, allow_empty: bool = False) -> Any:
-    raw = await request.body()
-    if not raw.strip() and allow_empty:
-        return {}
+    """The request body as JSON, at most ``app.state.max_body_bytes`` of it; RequestError (400/413) if not."""
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, an int past 4300 digits, deep nesting
-        raise RequestError(f"the request body is not valid JSON: {str(exc)[:200]}") from None
+        return await http.read_json(request, request.app.state.max_body_bytes, allow_empty=allow_empty)
+    except http.BodyError as exc:
+        raise RequestError(exc.message, exc.status) from None
 
 
 def create_app(
@@ -568,6 +635,7 @@ def create_app(
     batch_window_ms: float = 5.0,
     tokenizer=None,
     served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """An SGLang-API FastAPI app around ``engine`` (see the module docstring for the endpoints and choices).
 
@@ -578,11 +646,21 @@ def create_app(
         max_batch_size: most sequences (prompts x n) the scheduler puts into one batch.
         batch_window_ms: how long the scheduler waits after a first request for others to join its batch.
         tokenizer: enables ``text`` input and decoded ``text`` output; without it output ``text`` is ``""``.
+        max_body_bytes: largest request body read; a larger one answers 413 (see app/rollout/http_common.py).
     """
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
     if batch_window_ms < 0:
         raise ValueError(f"batch_window_ms must be >= 0, got {batch_window_ms}")
+    if not is_int(max_body_bytes) or max_body_bytes < 1:
+        raise ValueError(f"max_body_bytes must be an integer >= 1, got {max_body_bytes!r}")
+    max_chars = None
+    if tokenizer is not None:
+        # Encode once before any request: a fast tokenizer may switch off its stored padding/truncation on the
+        # first call (a mutation), which must not race with requests tokenized in worker threads or with the
+        # decoding done in the generating thread.
+        tokenizer("warm-up", add_special_tokens=False)
+        max_chars = http.max_prompt_chars(tokenizer, engine.max_positions)
     state = {
         "model_path": str(model_path),
         "served_model_name": served_model_name or str(model_path),
@@ -605,10 +683,13 @@ def create_app(
         await scheduler.stop()
 
     app = FastAPI(title="trustbatch CPU rollout server (SGLang native API subset)", lifespan=lifespan)
+    app.state.max_body_bytes = max_body_bytes
+    app.state.max_prompt_chars = max_chars
+    app.add_exception_handler(ClientGone, http.client_gone)
 
     @app.exception_handler(RequestError)
     async def _bad_request(_: Request, exc: RequestError) -> JSONResponse:
-        return _error(str(exc))
+        return _error(str(exc), exc.status)
 
     def label(version: int) -> str:
         return state["labels"].get(version, str(version))
@@ -658,8 +739,14 @@ def create_app(
     async def generate(request: Request) -> JSONResponse:
         start = time.perf_counter()
         body = await _json_body(request)
-        parsed = parse_generate(
-            body, tokenizer=tokenizer, vocab_size=engine.vocab_size, max_positions=engine.max_positions
+        # In a worker thread: tokenizing a long text takes a while, and other clients must not wait for it.
+        parsed = await asyncio.to_thread(
+            parse_generate,
+            body,
+            tokenizer=tokenizer,
+            vocab_size=engine.vocab_size,
+            max_positions=engine.max_positions,
+            max_chars=max_chars,
         )
         async with lock.read():
             scheduler.stats.requests += 1
@@ -733,6 +820,7 @@ def create_app(
             "served_model_name": state["served_model_name"],
             "max_batch_size": max_batch_size,
             "batch_window_ms": batch_window_ms,
+            "max_body_bytes": max_body_bytes,
             "skip_tokenizer_init": tokenizer is None,
             "device": str(next(engine.model.parameters()).device),
             "startup_time": state["startup_time"],
@@ -753,15 +841,16 @@ def create_app(
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> JSONResponse:
-        def fail(message: str) -> JSONResponse:
+        def fail(message: str, status: int = 400) -> JSONResponse:
             return JSONResponse(
-                {"success": False, "message": message, "num_paused_requests": 0}, status_code=400
+                {"success": False, "message": http.printable(message), "num_paused_requests": 0},
+                status_code=status,
             )
 
         try:
             body = await _json_body(request)
         except RequestError as exc:
-            return fail(str(exc))
+            return fail(str(exc), exc.status)
         if (
             not isinstance(body, dict)
             or not isinstance(body.get("model_path"), str)
@@ -770,7 +859,13 @@ def create_app(
             return fail("the body needs model_path (str): an HF directory with *.safetensors weights")
         version = body.get("weight_version")
         if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-            return fail(f"weight_version must be a string, got {json.dumps(version)}")
+            return fail(f"weight_version must be a string, got {describe(version)}")
+        try:  # both come back in /model_info and in every response
+            http.unicode_text(body["model_path"], "model_path")
+            if isinstance(version, str):
+                http.unicode_text(version, "weight_version")
+        except FieldError as exc:
+            return fail(exc.message)
         if body.get("load_format") not in (None, "auto", "safetensors"):
             return fail(f"load_format {body['load_format']!r} is not supported; use 'auto' (safetensors)")
         path = Path(body["model_path"])
@@ -810,7 +905,7 @@ def create_app(
         body = await _json_body(request, allow_empty=True)
         mode = body.get("mode", "abort") if isinstance(body, dict) else None
         if mode not in ("abort", "retract", "in_place"):
-            return _error(f"mode must be one of 'abort', 'retract', 'in_place', got {json.dumps(mode)}")
+            return _error(f"mode must be one of 'abort', 'retract', 'in_place', got {describe(mode)}")
         if mode == "abort":
             scheduler.abort_queued()
         await scheduler.pause()
@@ -821,6 +916,21 @@ def create_app(
         await _json_body(request, allow_empty=True)
         scheduler.resume()
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _json_body(request, allow_empty=True)
+        _expect(
+            isinstance(body, dict), "the request body", body, 'a JSON object {"rid": str, "abort_all": bool}'
+        )
+        rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+        _expect(rid is None or isinstance(rid, str), "rid", rid, "a string")
+        _expect(isinstance(abort_all, bool), "abort_all", abort_all, "a boolean")
+        if abort_all:
+            scheduler.abort_queued()
+        elif rid:  # as SGLang: an empty rid without abort_all is ignored, and so is an rid no request has
+            scheduler.abort_queued(rid)
+        return Response(status_code=200)  # SGLang answers an empty 200
 
     return app
 
@@ -833,6 +943,7 @@ def serve(
     max_batch_size: int = 256,
     batch_window_ms: float = 5.0,
     weight_version: str = "0",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> None:
     """Load ``model_dir`` (HF format) into an EmbeddedEngine and serve it until interrupted."""
     import uvicorn
@@ -854,5 +965,6 @@ def serve(
         max_batch_size=max_batch_size,
         batch_window_ms=batch_window_ms,
         tokenizer=tokenizer,
+        max_body_bytes=max_body_bytes,
     )
     uvicorn.run(app, host=host, port=port, log_level="warning")
