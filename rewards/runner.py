@@ -5,7 +5,7 @@ include it, and returns one ``Score`` per sample (reward = weighted sum, breakdo
 ``reward/mean``, ``reward/error_rate``, ``reward/timeout_rate``, ``reward/<verifier>/mean`` and
 ``reward/<verifier>/correct``.
 
-How failures are contained (DESIGN.md §8: a broken completion never stops training):
+How failures are contained (a broken completion never stops training):
 - **Exceptions** in a verifier become ``Score(reward=error_reward, error="ExcType: message")``.
 - **Time limits, two layers.** Inside each worker process (its main thread, where signals work) every verifier
   call runs under ``rewards.time_limit`` (SIGALRM via setitimer); that stops Python-level hangs such as

@@ -1,6 +1,6 @@
 """The verifier contract: text in, a Score out.
 
-A verifier never sees token ids, tensors, the model or the root config (DESIGN.md §5). It is a plain callable,
+A verifier never sees token ids, tensors, the model or the root config. It is a plain callable,
 ``Verifier = Callable[[VerifierInput], Score]``, built by a factory that takes keyword parameters from the config.
 """
 

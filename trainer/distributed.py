@@ -2,7 +2,7 @@
 
 Everything else that needs a cross-rank quantity (the global token count, the ESS sums, metrics, the
 non-finite flag) goes through a `Reducer`, so the same code runs in one process (`LocalReducer`, the
-identity) and under `torchrun` (`ProcessGroupReducer`). Scale-out is torchrun + FSDP2 only (DESIGN.md §1):
+identity) and under `torchrun` (`ProcessGroupReducer`). Scale-out is torchrun + FSDP2 only:
 
 - `init_distributed()` reads torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK). Without it the run is one
   process and no process group is created; with it (even `--nproc_per_node=1`) the default group is created,

@@ -43,7 +43,7 @@ from torch import Tensor
 ObjectiveName = Literal["ess", "ppo_clip", "reinforce"]
 OBJECTIVE_NAMES: tuple[str, ...] = ("ess", "ppo_clip", "reinforce")
 
-# Bound on exp() arguments inside the k3 KL estimator (DESIGN.md §4).
+# Bound on exp() arguments inside the k3 KL estimator (trainer/README.md).
 _KL_EXP_CLAMP = 10.0
 
 

@@ -1,6 +1,6 @@
 """One optimizer step: micro-batches, the global token count, the ESS reduction, backward, clipping, update.
 
-This is the one module that calls both sides (STYLE.md): the pure objective (`trainer/objective.py`) and the
+This is the one module that calls both sides: the pure objective (`trainer/objective.py`) and the
 systems code (`trainer/distributed.py`, through the injected `Reducer`; no collective is called here).
 
 `train_step` in order (torchtitan `train_step`):
@@ -10,17 +10,17 @@ systems code (`trainer/distributed.py`, through the injected `Reducer`; no colle
    forwards and backwards (FSDP2 communicates in each), so the count is MAX-reduced and a rank with fewer
    rows runs padding micro-batches: one of its rows with an all-False mask, which adds 0 to the loss, the
    gradient, N and the ESS sums. Any batch size on any rank works; no divisibility is required.
-3. ESS (DESIGN.md §4) from the detached ratios: local (Σr, Σr², n) → `reducer.sum_` → `ess_from_sums`.
+3. ESS (trainer/README.md) from the detached ratios: local (Σr, Σr², n) → `reducer.sum_` → `ess_from_sums`.
    `ess_scope="micro_batch"` (default, as FeynRL): one ESS per micro-batch index, over that micro-batch on
    all ranks. `ess_scope="step"`: one ESS over the whole step, from an extra no-grad forward pass over all
    micro-batches before the training pass (one more forward per step).
 4. loss = `policy_objective(..., num_tokens=N, ess=ess)`; `(loss * dp_scale).backward()`.
 5. Pre-clip global grad norm, clipped to `max_grad_norm` with `torch.nn.utils.clip_grad_norm_`.
 6. Non-finite guard: when the loss or the grad norm is non-finite on ANY rank (a flag MAX-reduced), the
-   gradients are zeroed and neither the optimizer nor the scheduler steps (DESIGN.md §8).
+   gradients are zeroed and neither the optimizer nor the scheduler steps.
 7. `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`.
 
-Gradient convention (DP scaling, STYLE.md). Each micro-batch loss is its masked token sum divided by the
+Gradient convention (DP scaling). Each micro-batch loss is its masked token sum divided by the
 GLOBAL N, so gradients accumulated over micro-batches and summed over ranks are the gradient of
 (global token-sum loss) / N. FSDP2 reduce-scatters gradients with an AVERAGE over the W data-parallel ranks;
 backpropagating `loss * dp_scale` with `dp_scale = W` cancels it. After the step every parameter's gradient

@@ -4,7 +4,7 @@ A ``Fleet`` wraps the one RolloutEngine of a rank (the SGLang client over one or
 engine) and, when the run started the servers itself (``rollout.engine=local``, or SGLang launched from the
 config), the server processes. The loop only ever calls ``generate`` and ``publish``.
 
-Failures, as DESIGN.md §8 asks:
+Failures (a rollout server that dies or hangs is detected, then restarted or reported):
 - **A started server dies** (killed, crashed, OOM): the watchdog sees the process exit within
   ``rollout.watchdog_interval_s`` and starts it again on the same port, serving the newest published weights
   with their version label, so it needs no separate weight push and reports the right ``policy_version``.

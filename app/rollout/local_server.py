@@ -1,7 +1,8 @@
 """The built-in CPU rollout server: the subset of SGLang 0.5.23's native HTTP API that trustbatch uses.
 
 One SGLang client drives either this server or a real ``sglang.launch_server``; the request and response shapes
-follow ../shared/reference/sglang-api.md (read from SGLang's source) and "Behaviour seen live" in sglang-cpu.md.
+follow SGLang's own server (``sglang/srt/entrypoints/http_server.py`` and ``io_struct.py`` in 0.5.23) and
+what a live 0.5.23 server was seen to answer (tests/sglang checks the client against one).
 The sampling itself is ``EmbeddedEngine.generate_sync`` (see app/rollout/embedded.py for how it samples and
 what logprob it reports).
 

@@ -1,7 +1,7 @@
 """SGLangClient: the RolloutEngine that drives one or more SGLang servers over their native HTTP API.
 
 The same client talks to a real SGLang server (GPU, or CPU for tests) and to trustbatch's built-in CPU server,
-which speaks the same subset of the API (../shared/reference/sglang-api.md; shapes as seen live on 0.5.23).
+which speaks the same subset of the API (shapes as read from SGLang 0.5.23's source and seen live; tests/sglang checks them).
 
 What it sends (token ids in, token ids out; no text):
 - ``POST /generate {"input_ids": [[...], ...], "sampling_params": {max_new_tokens, temperature, top_p, n,

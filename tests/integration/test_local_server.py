@@ -1,7 +1,7 @@
 """The built-in CPU rollout server, spoken to over real HTTP with SGLang's request and response shapes.
 
-The expected shapes come from ../shared/reference/sglang-api.md and "Behaviour seen live" in sglang-cpu.md
-(SGLang 0.5.23). Servers are real uvicorn servers on free loopback ports (a background thread, or the
+The expected shapes are SGLang 0.5.23's (its http_server.py and io_struct.py, and what a live server answered;
+tests/sglang runs the same client against the real one). Servers are real uvicorn servers on free loopback ports (a background thread, or the
 `trustbatch rollout-server` command as a subprocess).
 """
 

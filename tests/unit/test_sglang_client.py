@@ -1,8 +1,7 @@
 """SGLangClient against real HTTP servers on loopback.
 
 ``FakeSGLang`` below is a small real FastAPI app, served by uvicorn in a background thread, that answers with
-the response shapes SGLang 0.5.23 was seen to produce (../shared/reference/sglang-cpu.md, "Behaviour seen
-live"): a flat prompt-major list for a batch and for n > 1, ``meta_info.output_token_logprobs`` as
+the response shapes SGLang 0.5.23 was seen to produce (tests/sglang checks them against the real server): a flat prompt-major list for a batch and for n > 1, ``meta_info.output_token_logprobs`` as
 ``[logprob, token_id, null]`` triples, tagged ``finish_reason`` objects, ``weight_version`` plus
 ``weight_versions`` spans, 400 ``{"error": "unknown field ..."}`` for an unknown ``sampling_params`` key, 503 from
 /health while starting. It can be told to fail: drop the connection mid-answer, answer 5xx/4xx, delay.
