@@ -147,9 +147,8 @@ def test_math_in_the_pool_matches_in_process_and_hangs_are_contained():
     pooled.verifiers[0].params = {"timeout_s": 30.0}
     with RewardRunner(pooled) as pool, RewardRunner(mixed_config(num_workers=0)) as local:
         got, metrics = pool.score(batch)
-        start = time.monotonic()
-        want, _ = local.score(batch[:-1])
-        assert time.monotonic() - start < 5.0
+        want, local_metrics = local.score(batch[:-1])
+    assert local_metrics["reward/timeout_rate"] == 0.0
     assert [s.reward for s in got[:-1]] == [s.reward for s in want]
     assert got[-1].error.startswith("math: timeout") and got[-1].reward == 0.0
     assert metrics["reward/timeout_rate"] == pytest.approx(1 / 65)
