@@ -9,17 +9,25 @@ Only ``app/`` sees this root object; components receive their own section.
 
 from __future__ import annotations
 
+import math
+import os
+import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
 from app.rollout.fleet import SupervisionConfig
 from app.rollout.sglang import SGLangClientConfig
 from rewards import RewardsConfig
+from rewards.code import CodeVerifierConfig
+from rewards.math import MathVerifierConfig
+from rewards.registry import config_from_params
+from rewards.text import ExactVerifierConfig, FormatVerifierConfig
 from sandbox import SandboxConfig
 from trainer.advantages import AdvantageConfig
 from trainer.checkpoint import CheckpointConfig
@@ -31,6 +39,20 @@ from trainer.step import TrainerConfig
 
 class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key, the value and the fix."""
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""run.name and tracking.registered_model: a directory name under runs/ and a valid MLflow registered-model name
+(no '/', ':' or '..' path parts), so neither the run directory nor the model registration can fail or escape."""
+
+
+def _check_name(key: str, value: str) -> None:
+    if not NAME_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"{key}={value!r} is not a valid name: use 1-100 letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit (it names the run directory under runs/ and the MLflow registered model), "
+            f"e.g. {key}={re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('.-_') or 'run'}"
+        )
 
 
 @dataclass
@@ -51,6 +73,7 @@ class RunConfig:
     excluded), then evaluate and checkpoint as after the last step; 0 = no limit (run.steps decides)."""
 
     def __post_init__(self) -> None:
+        _check_name("run.name", self.name)
         if self.steps < 1:
             raise ValueError(f"run.steps must be >= 1, got {self.steps}")
         if self.threads < 1:
@@ -217,6 +240,10 @@ class TrackingConfig:
     registered_model: str = ""
     """Name of the registered model that checkpoints become versions of. Empty: run.name."""
 
+    def __post_init__(self) -> None:
+        if self.registered_model:
+            _check_name("tracking.registered_model", self.registered_model)
+
 
 @dataclass
 class Config:
@@ -252,6 +279,7 @@ class Config:
                 f"eval.num_prompts={self.eval.num_prompts} is more than the data.num_eval={self.data.num_eval} "
                 "held-out prompts generated for the built-in task: raise data.num_eval or lower eval.num_prompts"
             )
+        _check_verifier_params(self.rewards)
         samples = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.micro_batch_size > samples:
             raise ValueError(
@@ -261,13 +289,111 @@ class Config:
             )
 
 
+VERIFIER_PARAMS: dict[str, type] = {
+    "math": MathVerifierConfig,
+    "code": CodeVerifierConfig,
+    "format": FormatVerifierConfig,
+    "exact": ExactVerifierConfig,
+}
+"""The params dataclass of each built-in verifier: its params are checked when the config loads, without building
+the verifier (math imports sympy, code configures the sandbox). A `package.module:factory` verifier's params
+are checked when the reward runner builds it."""
+
+
+def _check_verifier_params(rewards: RewardsConfig) -> None:
+    for i, spec in enumerate(rewards.verifiers):
+        cls = VERIFIER_PARAMS.get(spec.name)
+        if cls is None:
+            continue
+        try:
+            config_from_params(cls, dict(spec.params), spec.name)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"rewards.verifiers[{i}].params={dict(spec.params)!r} is not valid for the {spec.name!r} "
+                f"verifier: {exc}. Fix or remove the parameter (see {cls.__name__} in rewards/)"
+            ) from None
+
+
 def check_trainable(config: Config) -> None:
-    """Rules that only matter when training starts (print-config shows any config)."""
-    if not config.model.path:
+    """Rules that only matter when training starts (print-config shows any config): the model directory, and
+    that the run directory and the MLflow store can be written. Quick and bounded: nothing is loaded."""
+    path = config.model.path
+    if not path:
         raise ConfigError(
             "config key `model.path` is empty: set it to a local Hugging Face model directory "
             "(or model.bootstrap=true with a path to build the tiny offline model there)"
         )
+    local = Path(path).expanduser()
+    if local.exists() and not (local / "config.json").is_file():
+        what = "a directory without config.json" if local.is_dir() else "a file"
+        raise ConfigError(
+            f"model.path={path!r} is {what}, not a Hugging Face model directory: point it at a directory "
+            "written by save_pretrained (config.json + *.safetensors + tokenizer files), or at a path that does "
+            "not exist yet with model.bootstrap=true to build the tiny offline model there"
+        )
+    if not local.exists() and not config.model.bootstrap and _looks_like_local_path(path):
+        raise ConfigError(
+            f"model.path={path!r} does not exist: point it at a Hugging Face model directory, or set "
+            "model.bootstrap=true to build the tiny offline model there"
+        )
+    if not local.exists() and config.model.bootstrap:
+        problem = writable_dir_problem(local)
+        if problem:
+            raise ConfigError(
+                f"model.path={path!r} does not exist and model.bootstrap=true would build the tiny model there, "
+                f"but it cannot be created ({problem}); set model.path to a writable location"
+            )
+    problem = writable_dir_problem(config.run.path)
+    if problem:
+        key = "run.dir" if config.run.dir else "run.name"
+        value = config.run.dir or config.run.name
+        raise ConfigError(
+            f"{key}={value!r}: the run directory {config.run.path} cannot be created or written ({problem}); "
+            "set run.dir to a writable directory (e.g. run.dir=runs/my-run)"
+        )
+    from app.tracking import default_tracking_uri, store_problem
+
+    uri = config.tracking.uri or default_tracking_uri(config.run.path.parent)
+    problem = store_problem(uri)
+    if problem:
+        if config.tracking.uri:
+            where = f"tracking.uri={uri!r}"
+        elif os.environ.get("MLFLOW_TRACKING_URI"):
+            where = f"tracking.uri is empty, so $MLFLOW_TRACKING_URI={uri!r} is used"
+        else:
+            where = f"tracking.uri is empty, so the default store {uri!r} is used"
+        raise ConfigError(
+            f"{where}: {problem}; set tracking.uri to sqlite:///<a writable directory>/mlflow.db or to "
+            "http(s)://host:port of an MLflow server (empty: a SQLite file beside the run directory)"
+        )
+
+
+def _looks_like_local_path(path: str) -> bool:
+    """Not a hub id ("name" or "org/name"): absolute, dotted, home-relative or deeper."""
+    return path.startswith(("/", ".", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why files cannot be created in directory `path` (created later if missing), or None.
+
+    Probes the directory itself, or its nearest existing ancestor, by creating and removing a file there: the
+    only check that holds for root and for filesystems such as /proc, where permission bits say writable.
+    """
+    path = Path(path).expanduser().absolute()
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            return f"no existing parent directory of {path}"
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is a file, not a directory"
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".trustbatch-write-test-")
+    except OSError as exc:
+        return f"cannot create files in {probe}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 def _format_omegaconf_error(exc: OmegaConfBaseException) -> str:
@@ -288,15 +414,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist (see configs/ for examples)")
         try:
-            layers.append(OmegaConf.load(path))
+            loaded = OmegaConf.load(path)
         except Exception as exc:  # yaml errors come in many types
             raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if not isinstance(loaded, DictConfig):
+            raise ConfigError(
+                f"config file {path} holds a YAML {type(loaded).__name__.replace('Config', '').lower()}, not a "
+                "mapping of sections: write `section: {key: value}` at the top level, e.g. `run: {steps: 10}` "
+                "(see configs/quickstart.yaml)"
+            )
+        layers.append(loaded)
     bad = [o for o in overrides if "=" not in o or o.startswith("=")]
     if bad:
         raise ConfigError(f"override {bad[0]!r} is not of the form key=value (e.g. optim.lr=3e-5)")
+    for override in overrides:
+        try:
+            OmegaConf.from_dotlist([override])
+        except Exception as exc:  # yaml ParserError / ScannerError, omegaconf grammar errors
+            key, _, value = override.partition("=")
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"override {override!r}: the value of `{key}` is not valid YAML ({reason}): close its brackets "
+                f"and quotes, e.g. 'rewards.verifiers=[{{name: math, tasks: [math]}}]', or quote a plain string"
+            ) from None
     try:
         layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
+        merged = _merge(layers, path, overrides)
+        _reject_non_finite(OmegaConf.to_container(merged, resolve=True, throw_on_missing=False))
         config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         cause = exc.__cause__
@@ -308,6 +452,47 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         raise ConfigError(str(exc)) from None
     assert isinstance(config, Config)
     return config
+
+
+def _merge(layers: list, path: Path | None, overrides: list[str] | tuple[str, ...]):
+    """OmegaConf.merge, with its TypeError for a list element set on its own turned into one ConfigError."""
+    try:
+        return OmegaConf.merge(*layers)
+    except TypeError as exc:
+        culprit = None  # the file itself, unless an override is found to be the one
+        if _merges(*layers[:-1]):
+            base = OmegaConf.merge(*layers[:-1])
+            culprit = next((o for o in overrides if not _merges(base, OmegaConf.from_dotlist([o]))), None)
+        where = f"override {culprit!r}" if culprit else f"config file {path}"
+        raise ConfigError(
+            f"{where}: a list is set element by element or where a section is expected ({exc}); set the whole "
+            "list instead, e.g. rewards.verifiers=[{name: math, weight: 0.5}] or rollout.sglang.urls=[http://a:1]"
+        ) from None
+
+
+def _merges(*layers) -> bool:
+    try:
+        OmegaConf.merge(*layers)
+    except TypeError:
+        return False
+    return True
+
+
+def _reject_non_finite(node: Any, key: str = "") -> None:
+    """NaN and infinity in any float of the config (typed fields and free-form params alike) stop the load:
+    every comparison with NaN is false, so range checks would let it through to the first rollout."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _reject_non_finite(v, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _reject_non_finite(v, f"{key}[{i}]")
+    elif isinstance(node, float) and not math.isfinite(node):
+        default = OmegaConf.select(OmegaConf.structured(Config), key, default=None)
+        example = f"e.g. {key}={default!r}" if isinstance(default, (int, float)) else "give a number"
+        raise ConfigError(
+            f"{key}={node!r} must be a finite number (NaN and infinity are not allowed): {example}"
+        )
 
 
 def to_yaml(config: Config) -> str:

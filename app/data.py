@@ -9,8 +9,14 @@ Row schema (one JSON object per JSONL line, or one Parquet row; `null` / a missi
   else "math";
 - `id` (optional): a string or integer; default "<file name>:<row number>";
 - `metadata` (optional): an object; every other key of the row is added to it, so nothing is lost.
+Every string of a row (keys included) must be valid Unicode text: a JSON escape of half a surrogate pair
+(`"\\ud800"`) is rejected, since no tokenizer, log or MLflow store can take it.
 A bad row raises `DatasetError` naming the file, the 1-based row number (the line number for JSONL), the field
 and the fix; all bad rows of a file are reported together (the first 20 in the message).
+
+Prompt length is checked once the tokenizer is known (`limit_prompt_lengths`, called by the run at start-up
+with the token ids the rollout engines get): a prompt that leaves fewer than `rollout.max_new_tokens` positions
+in the model's context stops the run there (`data.on_long_prompt=error`) or is dropped and counted (`drop`).
 
 Built-in tasks are sources named `builtin:<task>` in `DataConfig`; `BUILTIN_TASKS` maps each name to its
 generator and its config section. The only one so far is `arithmetic`: integer expressions such as `7+5*3-4=`.
@@ -48,6 +54,8 @@ class PromptRow:
     task: str
     id: str
     metadata: dict = field(default_factory=dict)
+    origin: str = field(default="", compare=False)
+    """Where the row came from, for messages: "<file>: line <n>" (JSONL), "<file>: row <n>" (Parquet)."""
 
 
 # ---------------------------------------------------------------------------------------------- row schema
@@ -82,6 +90,7 @@ def _row_problems(row: Any) -> list[tuple[str, str]]:
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
         problems.append(("id", f"must be a string or an integer, got {_show(row_id)}"))
+    problems += _surrogate_problems(row)
     metadata = row.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
@@ -93,6 +102,40 @@ def _row_problems(row: Any) -> list[tuple[str, str]]:
                     ("metadata", f"keys {clashes} appear both in the row and in metadata; keep one")
                 )
     return problems
+
+
+def _surrogate_problems(row: dict) -> list[tuple[str, str]]:
+    """A lone surrogate anywhere in the row: it is no Unicode character, so UTF-8 encoding (tokenizers, logs,
+    MLflow) fails on it the first time the row is sampled."""
+    found: list[tuple[str, str]] = []
+
+    def walk(value: Any, where: str) -> None:
+        if isinstance(value, str):
+            if value.isascii():
+                return
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as err:
+                found.append(
+                    (
+                        where,
+                        f"holds a lone surrogate {value[err.start]!r} at character {err.start}, half of a UTF-16 "
+                        "pair and not a character; write the character itself (or a complete \\uXXXX\\uXXXX "
+                        "pair), or remove it",
+                    )
+                )
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(k, f"{where} (a key)")
+                walk(v, f"{where}.{k}")
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                walk(v, f"{where}[{i}]")
+
+    for key, value in row.items():
+        walk(key, "row (a key)")
+        walk(value, str(key))
+    return found
 
 
 def _message_problems(messages: Any) -> list[tuple[str, str]]:
@@ -122,7 +165,7 @@ def _show(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _to_row(raw: dict, default_id: str) -> PromptRow:
+def _to_row(raw: dict, default_id: str, origin: str = "") -> PromptRow:
     """Build a PromptRow from a raw row that `_row_problems` accepted."""
     answer, tests = raw.get("answer"), raw.get("tests")
     metadata = dict(raw.get("metadata") or {})
@@ -136,6 +179,7 @@ def _to_row(raw: dict, default_id: str) -> PromptRow:
         task=raw.get("task") or ("code" if tests is not None else "math"),
         id=str(raw["id"]) if raw.get("id") is not None else default_id,
         metadata=metadata,
+        origin=origin,
     )
 
 
@@ -164,7 +208,7 @@ def load_prompts(path: str | Path) -> list[PromptRow]:
         if problems:
             errors += [f"{path}: {unit} {number}: field '{name}' {why}" for name, why in problems]
         else:
-            rows.append(_to_row(raw, default_id=f"{path.name}:{number}"))
+            rows.append(_to_row(raw, default_id=f"{path.name}:{number}", origin=f"{path}: {unit} {number}"))
     if errors:
         shown = errors[:_MAX_REPORTED_ERRORS]
         more = f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
@@ -366,6 +410,11 @@ class DataConfig:
     """How many prompts a builtin train source generates (files are used whole)."""
     num_eval: int = 500
     """How many prompts a builtin eval source generates (files are used whole)."""
+    on_long_prompt: Literal["error", "drop"] = "error"
+    """A prompt whose tokens (as the rollout engines get them: the chat template applied to `messages` rows)
+    leave fewer than rollout.max_new_tokens positions in the model's context (max_position_embeddings).
+    error: stop at start-up, naming the file and rows; drop: skip such rows of data.train and data.eval, logged
+    with their count (MLflow metrics data/dropped_long_prompts/train and .../eval)."""
 
     def __post_init__(self) -> None:
         for key in ("train", "eval"):
@@ -399,3 +448,38 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"]) -> list[PromptR
     if split == "train":
         return task.generate(task_cfg, "train", cfg.num_train)
     return task.generate(task_cfg, "test", cfg.num_eval)
+
+
+def limit_prompt_lengths(
+    rows: list[PromptRow],
+    ids: list[list[int]],
+    *,
+    max_prompt_tokens: int,
+    on_long_prompt: Literal["error", "drop"],
+    source_key: str,
+    source: str,
+    why: str,
+) -> tuple[list[PromptRow], list[list[int]], int]:
+    """Keep the rows whose prompt has at most `max_prompt_tokens` tokens; `(rows, ids, dropped)`.
+
+    `ids[i]` are the token ids of `rows[i]` as the rollout engines get them. With `on_long_prompt="error"` any
+    longer prompt raises DatasetError naming each such row (the first 20), `why` (where the limit comes from) and
+    the fixes; with `"drop"` they are left out and counted (the caller decides whether none left is an error).
+    """
+    long = [i for i, prompt in enumerate(ids) if len(prompt) > max_prompt_tokens]
+    if not long:
+        return rows, ids, 0
+    if on_long_prompt == "error":
+        shown = [
+            f"{rows[i].origin or f'row id {rows[i].id!r}'}: prompt has {len(ids[i])} tokens"
+            for i in long[:_MAX_REPORTED_ERRORS]
+        ]
+        more = f"\n  ... and {len(long) - len(shown)} more" if len(long) > len(shown) else ""
+        raise DatasetError(
+            f"{source_key}={source!r}: {len(long)} prompt(s) longer than {max_prompt_tokens} tokens ({why}):\n  "
+            + "\n  ".join(shown)
+            + more
+            + "\nshorten or remove these rows, set data.on_long_prompt=drop to skip them, or lower rollout.max_new_tokens"
+        )
+    keep = sorted(set(range(len(rows))) - set(long))
+    return [rows[i] for i in keep], [ids[i] for i in keep], len(long)

@@ -2,8 +2,11 @@
 
 `setup(cfg)` returns the `Parts` that `app/loop.py` orchestrates, restored from a checkpoint when
 `cfg.resume` names an interrupted run (`find_resume`). Building order matters and is kept here, out of the
-loop: the process group first; the model (bootstrapped if asked); the rollout engines, started from the
-weights the run continues from; FSDP2 sharding; the optimizer; the checkpoint restore; MLflow last.
+loop: first what can stop the run for a fixable reason, before any model is built or loaded (the config's
+start-up checks; the datasets, their tasks, and their prompts tokenized as the engines get them and checked
+against the model's context); then the process group; the model (bootstrapped if asked); the rollout engines,
+started from the weights the run continues from; FSDP2 sharding; the optimizer; the checkpoint restore; the
+reward runner; MLflow last.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import torch
 
 from app.bootstrap import ensure_model
 from app.config import Config, ConfigError, check_trainable, to_yaml
-from app.data import PromptRow, load_split
+from app.data import DataConfig, DatasetError, PromptRow, limit_prompt_lengths, load_split
 from app.eval import EvalResult, evaluate
 from app.rollout.base import Completion, SamplingParams
 from app.rollout.embedded import EmbeddedEngine
@@ -31,9 +34,9 @@ from app.scoring import rewards_with_sandbox
 from app.tracking import Tracker, default_tracking_uri
 from rewards import check_tasks
 from rewards.runner import RewardRunner
-from trainer.checkpoint import latest_checkpoint, load_checkpoint
+from trainer.checkpoint import checkpoint_problem, list_checkpoints, load_checkpoint
 from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
-from trainer.model import encode_prompt, load_model
+from trainer.model import build_tiny_tokenizer, encode_prompt, load_model
 from trainer.optim import build_optimizer
 
 log = logging.getLogger("trustbatch")
@@ -74,6 +77,8 @@ class Resume:
     checkpoint: Path | None = None
     state: dict = field(default_factory=dict)
     """The checkpoint's state.json (empty for a new run)."""
+    damaged: list[tuple[Path, str]] = field(default_factory=list)
+    """Checkpoints marked complete that cannot be resumed from, with why; `setup` moves them aside."""
 
 
 @dataclass
@@ -113,14 +118,49 @@ def find_resume(cfg: Config) -> Resume:
     run_dir = Path(cfg.resume)
     if not run_dir.is_dir():
         run_dir = _run_dir_of_mlflow_run(cfg, cfg.resume)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints")
-    if checkpoint is None:
+    root = run_dir / "checkpoints"
+    found = list_checkpoints(root)
+    if not found:
         raise ConfigError(
-            f"resume={cfg.resume}: no complete checkpoint under {run_dir / 'checkpoints'} (the run was "
+            f"resume={cfg.resume}: no complete checkpoint under {root} (the run was "
             "interrupted before its first checkpoint, or checkpoint.every=0); start it again without resume"
         )
+    # Every kept checkpoint is checked, not only the newest: the loop reads each one's state.json later.
+    problems = {path: checkpoint_problem(path) for _, path in found}
+    damaged = [(path, problem) for path, problem in problems.items() if problem is not None]
+    usable = [path for _, path in found if problems[path] is None]
+    if not usable:
+        listed = "; ".join(f"{path}: {problem}" for path, problem in damaged)
+        raise ConfigError(
+            f"resume={cfg.resume}: no checkpoint under {root} can be resumed from ({listed}); restore one from a "
+            "backup, or start the run again without resume"
+        )
+    checkpoint = usable[-1]
+    for path, problem in damaged:
+        log.warning(
+            "resume: checkpoint %s is marked complete but damaged (%s); resuming from %s instead%s",
+            path,
+            problem,
+            checkpoint.name,
+            " (it is newer: its steps are redone)" if path.name > checkpoint.name else "",
+        )
     state = json.loads((checkpoint / "state.json").read_text())
-    return Resume(step=int(state["step"]), run_dir=run_dir, checkpoint=checkpoint, state=state)
+    return Resume(
+        step=int(state["step"]), run_dir=run_dir, checkpoint=checkpoint, state=state, damaged=damaged
+    )
+
+
+def set_aside(damaged: list[tuple[Path, str]]) -> None:
+    """Rename damaged checkpoints to `step-N.damaged` (kept for inspection): no longer listed, pruned or
+    resumed from, and a later checkpoint of the same step gets the name back."""
+    for path, _ in damaged:
+        target = path.with_name(f"{path.name}.damaged")
+        n = 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{path.name}.damaged{n}")
+        path.rename(target)
+        log.warning("resume: moved the damaged checkpoint %s to %s", path, target.name)
 
 
 def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
@@ -186,9 +226,134 @@ def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> 
     return fleet
 
 
+def _check_tasks(cfg: Config, rows: list[PromptRow]) -> None:
+    try:
+        check_tasks(cfg.rewards, {row.task for row in rows})
+    except ValueError as exc:
+        raise ConfigError(f"data.train={cfg.data.train!r} / data.eval={cfg.data.eval!r}: {exc}") from None
+
+
+def encode_rows(tokenizer, rows: list[PromptRow]) -> list[list[int]]:
+    """Token ids of each row as the rollout engines get them (`encode_prompt`: plain prompts without special
+    tokens, chats through the chat template); plain prompts are tokenized in batches (fast tokenizers run them
+    in Rust), which gives the same ids as one at a time."""
+    out: list[list[int] | None] = [None] * len(rows)
+    plain = [i for i, row in enumerate(rows) if row.prompt is not None]
+    for start in range(0, len(plain), 4096):
+        chunk = plain[start : start + 4096]
+        encoded = tokenizer([rows[i].prompt for i in chunk], add_special_tokens=False)["input_ids"]
+        for i, ids in zip(chunk, encoded, strict=True):
+            out[i] = list(ids)
+    for i, row in enumerate(rows):
+        if row.prompt is None:
+            out[i] = encode_prompt(tokenizer, None, row.messages)
+    return out  # type: ignore[return-value]
+
+
+@dataclass
+class PromptSets:
+    """The train and eval prompts of a run, tokenized and checked against the model's context."""
+
+    train: Prompts
+    eval: Prompts
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Prompts left out for their length (data.on_long_prompt=drop), per split."""
+
+
+def prepare_prompts(
+    cfg: Config,
+    tokenizer,
+    context: int | None,
+    train_rows: list[PromptRow],
+    eval_rows: list[PromptRow],
+    where: str,
+) -> PromptSets:
+    """Tokenize the training rows and the eval rows an evaluation uses (the first eval.num_prompts that fit);
+    a prompt that leaves fewer than rollout.max_new_tokens positions in `context` is an error or dropped
+    (data.on_long_prompt). `where` names the model the context comes from."""
+    data: DataConfig = cfg.data
+    n_eval = cfg.eval.num_prompts
+    if context is None:  # the model states no context length: nothing to check against
+        return PromptSets(
+            Prompts(train_rows, encode_rows(tokenizer, train_rows)),
+            Prompts(eval_rows[:n_eval], encode_rows(tokenizer, eval_rows[:n_eval])),
+            {"train": 0, "eval": 0},
+        )
+    limit = context - cfg.rollout.max_new_tokens
+    why = (
+        f"the model's context is {context} tokens (max_position_embeddings of {where}) and "
+        f"rollout.max_new_tokens={cfg.rollout.max_new_tokens} are kept for the completion"
+    )
+    common = dict(max_prompt_tokens=limit, on_long_prompt=data.on_long_prompt, why=why)
+    rows, ids, dropped_train = limit_prompt_lengths(
+        train_rows, encode_rows(tokenizer, train_rows), source_key="data.train", source=data.train, **common
+    )
+    train = Prompts(rows, ids)
+    # Eval: tokenize only as many rows as an evaluation uses (more when some are dropped).
+    kept_rows: list[PromptRow] = []
+    kept_ids: list[list[int]] = []
+    dropped_eval, start = 0, 0
+    while len(kept_rows) < n_eval and start < len(eval_rows):
+        chunk = eval_rows[start : start + n_eval - len(kept_rows)]
+        start += len(chunk)
+        rows, ids, dropped = limit_prompt_lengths(
+            chunk, encode_rows(tokenizer, chunk), source_key="data.eval", source=data.eval, **common
+        )
+        kept_rows += rows
+        kept_ids += ids
+        dropped_eval += dropped
+    for key, kept in (("train", train.rows), ("eval", kept_rows)):
+        if not kept:
+            raise DatasetError(
+                f"data.{key}={getattr(data, key)!r}: every prompt is longer than {limit} tokens ({why}), so "
+                "data.on_long_prompt=drop leaves none; use shorter prompts or lower rollout.max_new_tokens"
+            )
+    for split, count, total in (("train", dropped_train, len(train_rows)), ("eval", dropped_eval, start)):
+        if count:
+            log.warning(
+                "data.%s: dropped %d of %d prompts longer than %d tokens (data.on_long_prompt=drop; %s)",
+                split,
+                count,
+                total,
+                limit,
+                why,
+            )
+    return PromptSets(train, Prompts(kept_rows, kept_ids), {"train": dropped_train, "eval": dropped_eval})
+
+
+def early_tokenizer(cfg: Config) -> tuple[object, int | None, str] | None:
+    """(tokenizer, context length, where) of the model to train, without loading its weights: a local model
+    directory's files, or the tiny tokenizer that model.bootstrap will save; None for a hub id (known only
+    once the model is loaded)."""
+    path = Path(cfg.model.path).expanduser()
+    if path.is_dir():
+        from transformers import AutoConfig, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(path))
+            context = getattr(AutoConfig.from_pretrained(str(path)), "max_position_embeddings", None)
+        except (OSError, ValueError):
+            return None  # load_model reports it, with its own message
+        return tokenizer, context, str(path)
+    if not path.exists() and cfg.model.bootstrap:
+        tiny = cfg.model.tiny.max_position_embeddings
+        return build_tiny_tokenizer(), tiny, "model.tiny (model.bootstrap=true)"
+    return None
+
+
 def setup(cfg: Config, resume: Resume) -> Parts:
     """Build the run; the caller owns the returned Parts (close them) and awaits `fleet.engine` health."""
+    # Everything that can stop the run for a fixable reason comes first, before any model is built or loaded.
     check_trainable(cfg)
+    train_rows = load_split(cfg.data, "train")
+    eval_rows = load_split(cfg.data, "eval")
+    _check_tasks(cfg, train_rows + eval_rows[: cfg.eval.num_prompts])
+    early = early_tokenizer(cfg)
+    sets = None
+    if early is not None:
+        tokenizer, context, where = early
+        sets = prepare_prompts(cfg, tokenizer, context, train_rows, eval_rows, where)
+
     dist = init_distributed()
     reducer = dist.reducer()
     torch.set_num_threads(cfg.run.threads)
@@ -196,15 +361,14 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     if dist.is_main:
         cfg.run.path.mkdir(parents=True, exist_ok=True)
         (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
+        set_aside(resume.damaged)
 
     model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier)
     model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
-    train_rows = load_split(cfg.data, "train")
-    eval_rows = load_split(cfg.data, "eval")[: cfg.eval.num_prompts]
-    check_tasks(cfg.rewards, {row.task for row in train_rows + eval_rows})
-
-    def prompts(rows: list[PromptRow]) -> Prompts:
-        return Prompts(rows, [encode_prompt(tokenizer, row.prompt, row.messages) for row in rows])
+    if sets is None:  # a hub model: its tokenizer and context are known now
+        context = getattr(model.config, "max_position_embeddings", None)
+        sets = prepare_prompts(cfg, tokenizer, context, train_rows, eval_rows, cfg.model.path)
+    _check_tasks(cfg, sets.train.rows + sets.eval.rows)
 
     # Generation ends at EOS, and at the chat template's end-of-turn token when the tokenizer has one.
     stop = {tokenizer.eos_token_id} | {
@@ -212,14 +376,28 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     }
     engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
     fleet = make_fleet(cfg, engine_dir, dist, resume)
+    runner: RewardRunner | None = None
     try:
         if dist.world_size > 1:
             shard_model(model)
         model.train()
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.run.steps)
         if resume.checkpoint is not None:
-            load_checkpoint(resume.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, rank=dist.rank)
+            try:
+                load_checkpoint(
+                    resume.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, rank=dist.rank
+                )
+            except Exception as exc:  # noqa: BLE001 - damage that checkpoint_problem cannot see (inside a file)
+                raise ConfigError(
+                    f"resume={cfg.resume}: checkpoint {resume.checkpoint} cannot be loaded ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0] if str(exc) else ''}); move it aside (mv {resume.checkpoint} "
+                    f"{resume.checkpoint}.damaged) to resume from the previous complete checkpoint"
+                ) from None
             log.info("resuming %s from %s (step %d)", cfg.run.path, resume.checkpoint, resume.step)
+        try:
+            runner = RewardRunner(rewards_with_sandbox(cfg.rewards, cfg.sandbox))
+        except (TypeError, ValueError) as exc:  # a package.module:factory verifier's params are checked here
+            raise ConfigError(str(exc)) from None
         tracker = Tracker(
             cfg.tracking,
             cfg.run.path,
@@ -228,8 +406,13 @@ def setup(cfg: Config, resume: Resume) -> Parts:
             resume_run_id=resume.state.get("mlflow_run_id"),
         )
         tracker.log_config(cfg)
-        runner = RewardRunner(rewards_with_sandbox(cfg.rewards, cfg.sandbox))
+        counts = {f"data/dropped_long_prompts/{split}": float(n) for split, n in sets.dropped.items()}
+        counts["data/train_prompts"] = float(len(sets.train.rows))
+        counts["data/eval_prompts"] = float(len(sets.eval.rows))
+        tracker.log_metrics(counts, step=resume.step)
     except BaseException:
+        if runner is not None:
+            runner.close()
         for server in fleet.servers:
             server.stop()
         raise
@@ -246,8 +429,8 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         scheduler=scheduler,
         runner=runner,
         tracker=tracker,
-        train=prompts(train_rows),
-        eval=prompts(eval_rows),
+        train=sets.train,
+        eval=sets.eval,
         sampling=SamplingParams(
             max_new_tokens=r.max_new_tokens,
             temperature=r.temperature,

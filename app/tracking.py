@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from app.config import Config, TrackingConfig, flatten, to_yaml
+from app.config import Config, TrackingConfig, flatten, to_yaml, writable_dir_problem
 
 # `import mlflow` takes 2-4 s: do it once, lazily, and only on the rank that tracks.
 _mlflow = None
@@ -45,6 +45,52 @@ def sqlite_path(tracking_uri: str) -> Path | None:
     """The database file of a ``sqlite:///`` tracking URI; None for any other store."""
     prefix = "sqlite:///"
     return Path(tracking_uri[len(prefix) :]) if tracking_uri.startswith(prefix) else None
+
+
+_BUILTIN_SCHEMES = (
+    *("file", "http", "https", "databricks", "databricks-uc", "uc"),
+    *("sqlite", "postgresql", "mysql", "mssql"),
+)
+"""Schemes MLflow's own tracking stores serve (a database scheme may carry a driver: postgresql+psycopg2)."""
+
+
+def store_problem(tracking_uri: str) -> str | None:
+    """Why MLflow could not use ``tracking_uri`` (an unknown scheme; a local store in a directory that cannot be
+    written), or None. Quick and bounded, without importing MLflow: a SQLite file in an unwritable directory makes
+    MLflow retry for minutes instead of failing."""
+    from urllib.parse import urlparse
+
+    scheme = urlparse(tracking_uri).scheme.split("+")[0].lower()
+    if len(scheme) == 1:  # a Windows drive letter: a local path
+        scheme = ""
+    known = set(_BUILTIN_SCHEMES) | _plugin_schemes()
+    if scheme and scheme not in known:
+        return (
+            f"its scheme {scheme!r} is not a tracking store MLflow knows (known: {', '.join(sorted(known))})"
+        )
+    db = sqlite_path(tracking_uri)
+    if scheme == "sqlite" and db is None:
+        return "a SQLite URI needs three slashes before the path: sqlite:///relative/path.db or sqlite:////abs/path.db"
+    if db is not None:
+        if db.exists() and not db.is_file():
+            return f"{db} is not a file"
+        problem = writable_dir_problem(db.parent)
+        if problem:
+            return f"the SQLite file {db} cannot be created or written ({problem})"
+        return None
+    if scheme in ("", "file"):
+        local = Path(urlparse(tracking_uri).path if scheme == "file" else tracking_uri)
+        problem = writable_dir_problem(local)
+        if problem:
+            return f"the file store {local} cannot be created or written ({problem})"
+    return None
+
+
+def _plugin_schemes() -> set[str]:
+    """Schemes that installed MLflow plugins register (entry points of group mlflow.tracking_store)."""
+    from importlib.metadata import entry_points
+
+    return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
 
 
 def ensure_experiment(client, name: str, tracking_uri: str) -> str:
@@ -87,6 +133,9 @@ class Tracker:
         _import_mlflow()
         from mlflow.tracking import MlflowClient
 
+        db = sqlite_path(self.tracking_uri)
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)  # store_problem checked that it can be created
         self.client = MlflowClient(tracking_uri=self.tracking_uri)
         if resume_run_id:
             run = self.client.get_run(resume_run_id)

@@ -18,7 +18,9 @@ under a final name, and a directory without the marker is never loaded:
       COMPLETE
 
 ``load_checkpoint`` restores the model, the optimizer, the schedule and this rank's RNG states, and returns the
-``state.json`` dict. ``latest_checkpoint`` finds the newest complete one; ``prune_checkpoints`` keeps the last K
+``state.json`` dict. ``checkpoint_problem`` tells, without loading any tensor, why a directory marked complete
+cannot be resumed from (a damaged ``state.json``, a missing or truncated file of ``trainer/``, ``model/`` or
+``rng.pt``). ``latest_checkpoint`` finds the newest complete one; ``prune_checkpoints`` keeps the last K
 plus any the caller names (the best). Every function that touches a sharded model is a collective: all ranks
 call it, in the same order.
 """
@@ -223,6 +225,49 @@ def load_checkpoint(path: Path, *, model, optimizer: torch.optim.Optimizer, sche
     rngs = torch.load(path / "rng.pt", weights_only=False)
     set_rng_state(rngs[rank] if rank < len(rngs) else rngs[0])
     return state
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at ``path`` cannot be resumed from, or None when it looks whole.
+
+    Cheap: reads ``state.json`` and the DCP metadata of ``trainer/`` (a small pickle), then checks that every
+    file the metadata names exists and is as long as the metadata says; no tensor is read. Damage inside a
+    tensor file of the right length is found only by ``load_checkpoint``.
+    """
+    path = Path(path)
+    if not is_complete(path):
+        return f"no {COMPLETE_MARKER} marker (it was never finished)"
+    try:
+        state = json.loads((path / "state.json").read_text())
+    except FileNotFoundError:
+        return "state.json is missing"
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return f"state.json is not valid JSON ({exc})"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "scheduler" not in state:
+        return "state.json lacks the step number or the scheduler state"
+    if not (path / "rng.pt").is_file():
+        return "rng.pt is missing"
+    model = path / "model"
+    if not (model / "config.json").is_file() or not any(model.glob("*.safetensors")):
+        return "model/ lacks config.json or its *.safetensors weights"
+    trainer = path / "trainer"
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(trainer)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 - a missing file, a truncated pickle: all mean unusable
+        return f"trainer/.metadata cannot be read ({type(exc).__name__}: {exc})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in sorted(needed.items()):
+        file = trainer / name
+        if not file.is_file():
+            return f"trainer/{name} is missing"
+        if file.stat().st_size < size:
+            return f"trainer/{name} is truncated ({file.stat().st_size} of {size} bytes)"
+    return None
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

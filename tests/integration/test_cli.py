@@ -44,6 +44,14 @@ def test_print_config_without_a_file_prints_the_defaults():
         (["train", "configs/quickstart.yaml", "rollout.group_size=1"], "rollout.group_size"),
         (["train", "configs/nope.yaml"], "does not exist"),
         (["train", "configs/base.yaml"], "model.path"),
+        # issue 11: these passed the config stage and failed late, with a traceback (or never)
+        (["train", "configs/quickstart.yaml", "rollout.temperature=nan"], "rollout.temperature=nan must be a finite"),
+        (
+            ["train", "configs/quickstart.yaml", "rewards.verifiers=[{name: math, params: {bogus: 1}}]"],
+            "rewards.verifiers[0].params={'bogus': 1}",
+        ),
+        (["train", "configs/quickstart.yaml", "rewards.verifiers=[{name: math"], "`rewards.verifiers` is not valid YAML"),
+        (["train", "configs/quickstart.yaml", "run.name=../../../x"], "run.name='../../../x' is not a valid name"),
     ],
 )
 def test_bad_config_exits_2_with_one_clear_message(args, fragment):

@@ -8,6 +8,7 @@ run took that step (the optimizer, schedule, RNG, data position and rollout weig
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,10 +17,12 @@ import time
 import pytest
 from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
+from typer.testing import CliRunner
 
+from app.cli import app
 from app.config import load_config
 from app.loop import run
-from trainer.checkpoint import COMPLETE_MARKER, list_checkpoints
+from trainer.checkpoint import COMPLETE_MARKER, checkpoint_problem, list_checkpoints
 
 from .conftest import REPO
 from .test_loop import small_config, small_overrides
@@ -102,3 +105,95 @@ def test_resume_without_a_checkpoint_is_a_clear_error(tmp_path, tiny_model_dir):
         run(small_config(tmp_path, tiny_model_dir, f"resume={tmp_path / 'empty'}"))
     with pytest.raises(ConfigError, match="not a directory, and not a run"):
         run(small_config(tmp_path, tiny_model_dir, "resume=0123456789abcdef"))
+
+
+# ---------------------------------------------------------------------------------------------- damaged checkpoints
+
+SHORT = ["run.steps=4", "checkpoint.every=2", "eval.every=0", "eval.greedy=false", "rollout.max_lag=0"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_model_dir):
+    """A real 4-step run with complete checkpoints at steps 2 and 4, to be copied and damaged."""
+    base = tmp_path_factory.mktemp("damaged")
+    summary = run(small_config(base, tiny_model_dir, *SHORT, "tracking.log_model=false"))
+    assert [step for step, _ in list_checkpoints(base / "run" / "checkpoints")] == [2, 4]
+    return base / "run", summary
+
+
+def copy_of(finished_run, name: str):
+    """A copy beside the original (same parent: the same default MLflow store holds its run)."""
+    source, _ = finished_run
+    target = source.parent / name
+    shutil.copytree(source, target)
+    return target
+
+
+def distcp_files(checkpoint):
+    files = sorted((checkpoint / "trainer").glob("*.distcp"))
+    assert files, list((checkpoint / "trainer").iterdir())
+    return files
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+DAMAGE = {
+    "state-json-garbled": (lambda c: (c / "state.json").write_text('{"step": 4, "sched'), "state.json is not valid JSON"),
+    "state-json-deleted": (lambda c: (c / "state.json").unlink(), "state.json is missing"),
+    "state-json-no-step": (lambda c: (c / "state.json").write_text("{}"), "lacks the step number"),
+    "trainer-shard-deleted": (lambda c: distcp_files(c)[0].unlink(), ".distcp is missing"),
+    "trainer-shard-truncated": (lambda c: truncate(distcp_files(c)[0]), "is truncated"),
+    "trainer-metadata-deleted": (lambda c: (c / "trainer" / ".metadata").unlink(), "trainer/.metadata cannot be read"),
+    "rng-deleted": (lambda c: (c / "rng.pt").unlink(), "rng.pt is missing"),
+    "weights-deleted": (
+        lambda c: [f.unlink() for f in (c / "model").glob("*.safetensors")],
+        "model/ lacks config.json or its *.safetensors",
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_checkpoint_problem_names_each_kind_of_damage(finished_run, damage):
+    run_dir = copy_of(finished_run, f"kind-{damage}")
+    checkpoint = list_checkpoints(run_dir / "checkpoints")[-1][1]
+    assert checkpoint_problem(checkpoint) is None
+    apply, fragment = DAMAGE[damage]
+    apply(checkpoint)
+    problem = checkpoint_problem(checkpoint)
+    assert problem is not None and fragment in problem, problem
+
+
+@pytest.mark.parametrize("damage", ["state-json-garbled", "trainer-shard-deleted"])
+def test_resume_from_a_damaged_last_checkpoint_uses_the_previous_one(finished_run, tiny_model_dir, damage, caplog):
+    run_dir = copy_of(finished_run, f"resume-{damage}")
+    last = run_dir / "checkpoints" / "step-000004"
+    DAMAGE[damage][0](last)
+
+    with caplog.at_level("WARNING", logger="trustbatch"):
+        resumed = run(small_config(run_dir.parent, tiny_model_dir, *SHORT, f"resume={run_dir}"))
+
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(str(last) in w and DAMAGE[damage][1] in w and "step-000002" in w for w in warnings), warnings
+    assert resumed["resumed_from_step"] == 2 and resumed["steps"] == 4
+    assert resumed["mlflow_run_id"] == finished_run[1]["mlflow_run_id"]
+    # The damaged one was set aside (kept, never listed again); step 4 was trained again and is whole.
+    assert (run_dir / "checkpoints" / "step-000004.damaged").is_dir()
+    assert [step for step, _ in list_checkpoints(run_dir / "checkpoints")] == [2, 4]
+    assert checkpoint_problem(last) is None
+
+
+def test_resume_with_every_checkpoint_damaged_stops_with_exit_2_naming_them(finished_run, tiny_model_dir):
+    run_dir = copy_of(finished_run, "all-damaged")
+    first, second = (path for _, path in list_checkpoints(run_dir / "checkpoints"))
+    (first / "state.json").write_text("not json")
+    distcp_files(second)[0].unlink()
+    overrides = small_overrides(run_dir.parent, tiny_model_dir, *SHORT, f"resume={run_dir}")
+    result = CliRunner().invoke(app, ["train", str(REPO / "configs" / "quickstart.yaml"), *overrides])
+    assert result.exit_code == 2 and isinstance(result.exception, SystemExit), (result.exception, result.output)
+    output = result.output
+    assert f"resume={run_dir}: no checkpoint under {run_dir / 'checkpoints'} can be resumed from" in output
+    assert f"{first}: state.json is not valid JSON" in output and f"{second}: trainer/" in output
+    assert "without resume" in output and "Traceback" not in output
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-000002", "step-000004"]

@@ -3,8 +3,9 @@
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
-from app.config import Config, ConfigError, flatten, load_config, to_yaml
+from app.config import Config, ConfigError, check_trainable, flatten, load_config, to_yaml
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
@@ -72,6 +73,30 @@ def test_flatten_gives_dotted_keys():
             ["both set"],
         ),
         (["rollout.sglang.weight_sync.method=distributed"], ["rollout.engine=sglang", "weight_sync.method=disk"]),
+        # issue 11: each of these used to load, then fail late (or never)
+        (["rollout.temperature=nan"], ["rollout.temperature=nan", "finite", "rollout.temperature=1.0"]),
+        (["rollout.temperature=inf"], ["rollout.temperature=inf", "finite"]),
+        (["rollout.top_p=-inf"], ["rollout.top_p=-inf", "finite"]),
+        (["rewards.verifiers=[{name: math, timeout_s: .inf}]"], ["rewards.verifiers[0].timeout_s=inf", "finite"]),
+        (
+            ["rewards.verifiers=[{name: math, params: {timeout_s: .nan}}]"],
+            ["rewards.verifiers[0].params.timeout_s=nan", "finite"],
+        ),
+        (
+            ["rewards.verifiers=[{name: math, params: {bogus: 1}}]"],
+            ["rewards.verifiers[0].params", "bogus", "valid parameters", "extraction"],
+        ),
+        (
+            ["rewards.verifiers=[{name: code, tasks: [code], params: {mode: most}}]"],
+            ["rewards.verifiers[0].params", "most", "'fraction' or 'all'"],
+        ),
+        (["rewards.verifiers=[{name: format, params: {pattern: '('}}]"], ["rewards.verifiers[0].params", "regex"]),
+        (["run.name=a/b"], ["run.name='a/b'", "letters, digits", "run.name=a-b"]),
+        (["run.name=../../../x"], ["run.name='../../../x'", "run.name=x"]),
+        (["run.name=.."], ["run.name='..'"]),
+        (["tracking.registered_model=team:model"], ["tracking.registered_model='team:model'"]),
+        (["rewards.verifiers=[{name: math"], ["rewards.verifiers=[{name: math", "not valid YAML", "brackets"]),
+        (["data.on_long_prompt=truncate"], ["data.on_long_prompt", "truncate", "drop"]),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_the_fix(overrides, fragments):
@@ -90,6 +115,140 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("run: [unclosed\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(bad)
+
+
+def _float_keys(node, key=""):
+    """Dotted keys of every float in the default config (typed fields of every section)."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            yield from _float_keys(v, f"{key}.{k}" if key else k)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from _float_keys(v, f"{key}[{i}]")
+    elif isinstance(node, float):
+        yield key
+
+
+FLOAT_KEYS = sorted(_float_keys(OmegaConf.to_container(OmegaConf.structured(Config))))
+
+
+def test_the_float_walk_sees_every_section():
+    sections = {key.split(".")[0] for key in FLOAT_KEYS}
+    assert {"run", "model", "rollout", "rewards", "optim", "objective", "trainer"} <= sections
+    assert len(FLOAT_KEYS) > 20
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_field_rejects_nan(key, tmp_path):
+    """An override where the key can take one (a list element cannot), else the same value in the YAML file."""
+    if "[" in key:
+        tree = OmegaConf.to_container(OmegaConf.structured(Config))
+        OmegaConf.update(node := OmegaConf.create(tree), key, float("nan"))
+        path = tmp_path / "nan.yaml"
+        path.write_text(OmegaConf.to_yaml(node))
+        args = (path, [])
+    else:
+        args = (None, [f"{key}=nan"])
+    with pytest.raises(ConfigError) as info:
+        load_config(*args)
+    message = str(info.value)
+    assert message.startswith(f"{key}=nan must be a finite number"), message
+
+
+@pytest.mark.parametrize("value", ["inf", "-inf", ".inf", "-.Inf", ".NaN"])
+def test_infinity_is_rejected_in_any_spelling(value):
+    with pytest.raises(ConfigError, match=r"^rollout\.sglang\.timeout_s=(-?inf|nan) must be a finite number"):
+        load_config(None, [f"rollout.sglang.timeout_s={value}"])
+
+
+def test_a_list_element_set_on_its_own_is_one_clear_error():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["rewards.verifiers[0].weight=0.5"])
+    assert "override 'rewards.verifiers[0].weight=0.5'" in str(info.value) and "whole" in str(info.value)
+
+
+def test_non_finite_values_in_the_yaml_file_are_rejected_too(tmp_path):
+    path = tmp_path / "nan.yaml"
+    path.write_text("rollout:\n  temperature: .nan\n")
+    with pytest.raises(ConfigError, match=r"rollout\.temperature=nan must be a finite number"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "kind"), [("- a\n- b\n", "list"), ("- run: {steps: 3}\n", "list")], ids=["list", "list-of-maps"]
+)
+def test_a_yaml_file_that_is_not_a_mapping_is_one_clear_error(tmp_path, text, kind):
+    path = tmp_path / "list.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert f"{path} holds a YAML {kind}, not a mapping of sections" in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["run", "quickstart", "exp-1.lr_3e-5", "A" * 100])
+def test_safe_run_names_load(name):
+    assert load_config(None, [f"run.name={name}"]).run.path == Path("runs") / name
+
+
+def test_verifier_params_that_are_valid_load():
+    cfg = load_config(None, ["rewards.verifiers=[{name: math, params: {timeout_s: 2, extraction: [boxed]}}]"])
+    assert cfg.rewards.verifiers[0].params == {"timeout_s": 2, "extraction": ["boxed"]}
+
+
+# ---------------------------------------------------------------------------------------------- start-up checks
+
+
+def trainable(tmp_path, *overrides):
+    return load_config(
+        CONFIGS / "quickstart.yaml",
+        [f"run.dir={tmp_path / 'run'}", f"model.path={tmp_path / 'model'}", *overrides],
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (["model.path=/etc"], ["model.path='/etc'", "without config.json", "save_pretrained"]),
+        (["model.path=/etc/hostname"], ["model.path='/etc/hostname'", "is a file"]),
+        (["model.path=/nonexistent/model", "model.bootstrap=false"], ["model.path='/nonexistent/model'", "does not exist"]),
+        (["model.path=/proc/model"], ["model.path='/proc/model'", "model.bootstrap=true", "cannot be created"]),
+        (["run.dir=/proc/x"], ["run.dir='/proc/x'", "cannot be created or written", "/proc"]),
+        (["run.dir=/etc/hostname/run"], ["run.dir='/etc/hostname/run'", "is a file"]),
+        (["tracking.uri=bogus://x"], ["tracking.uri='bogus://x'", "'bogus'", "sqlite:///", "http"]),
+        (["tracking.uri=sqlite:////proc/mlflow.db"], ["tracking.uri='sqlite:////proc/mlflow.db'", "/proc", "sqlite:///"]),
+        (["tracking.uri=sqlite://"], ["tracking.uri='sqlite://'", "three slashes"]),
+        (["tracking.uri=file:///proc/mlruns"], ["tracking.uri='file:///proc/mlruns'", "/proc"]),
+    ],
+)
+def test_start_up_checks_name_the_key_the_value_and_the_fix(tmp_path, overrides, fragments):
+    cfg = trainable(tmp_path, *overrides)
+    with pytest.raises(ConfigError) as info:
+        check_trainable(cfg)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} missing from: {message}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_an_unusable_mlflow_tracking_uri_from_the_environment_names_the_variable(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:////proc/mlflow.db")
+    with pytest.raises(ConfigError, match=r"tracking.uri is empty, so \$MLFLOW_TRACKING_URI='sqlite:////proc/"):
+        check_trainable(trainable(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "''",  # empty: the default store beside the run directory
+        "http://127.0.0.1:5000",
+        "https://mlflow.example.com",
+        "postgresql+psycopg2://user@host/db",
+        "databricks",
+        "sqlite:///{tmp}/new/dir/mlflow.db",  # a directory that does not exist yet but can be created
+    ],
+)
+def test_usable_tracking_uris_pass_the_start_up_check(tmp_path, uri):
+    check_trainable(trainable(tmp_path, f"tracking.uri={uri.format(tmp=tmp_path)}"))
 
 
 def test_sandbox_section_reaches_code_verifiers_without_their_own():

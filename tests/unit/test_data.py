@@ -17,6 +17,7 @@ from app.data import (
     PromptRow,
     arithmetic_prompts,
     evaluate_expression,
+    limit_prompt_lengths,
     load_prompts,
     load_split,
     sft_text,
@@ -98,6 +99,13 @@ BAD_ROWS = [
     ({"prompt": "x", "answer": "1", "metadata": [1]}, "metadata", "must be an object"),
     ({"prompt": "x", "answer": "1", "level": 1, "metadata": {"level": 2}}, "metadata", "keep one"),
     (["prompt", "x"], "row", "not an object"),
+    # A JSON escape of half a surrogate pair loads as a str that no tokenizer, log or store can encode.
+    ({"prompt": "a\ud800b", "answer": "1"}, "prompt", "lone surrogate '\\ud800' at character 1"),
+    ({"messages": [{"role": "user", "content": "\udfff"}], "answer": "1"}, "messages[0].content", "lone surrogate"),
+    ({"prompt": "x", "answer": "\ud800"}, "answer", "lone surrogate"),
+    ({"prompt": "x", "tests": ["ok", "assert f('\udc80')"]}, "tests[1]", "lone surrogate"),
+    ({"prompt": "x", "answer": "1", "metadata": {"src": {"\ud800": 1}}}, "metadata.src (a key)", "lone surrogate"),
+    ({"prompt": "x", "answer": "1", "note": "\ud800"}, "note", "write the character itself"),
 ]
 
 
@@ -109,6 +117,56 @@ def test_bad_row_names_file_line_field_and_fix(tmp_path, row, field, why):
     message = str(info.value)
     assert f"{path}: line 3: field '{field}'" in message and why in message, message
     assert "line 1" not in message and "line 2" not in message
+
+
+def test_surrogate_pairs_and_other_unicode_are_fine(tmp_path):
+    path = tmp_path / "unicode.jsonl"
+    path.write_text('{"prompt": "smile \\ud83d\\ude00 caf\u00e9 \u4e2d", "answer": "1"}\n', encoding="utf-8")
+    (row,) = load_prompts(path)
+    assert row.prompt == "smile \U0001f600 caf\u00e9 \u4e2d"
+
+
+def test_rows_remember_where_they_came_from(tmp_path):
+    path = write_jsonl(tmp_path / "o.jsonl", [GOOD, {**GOOD, "id": "named"}])
+    assert [r.origin for r in load_prompts(path)] == [f"{path}: line 1", f"{path}: line 2"]
+    pq.write_table(pa.Table.from_pylist([GOOD]), tmp_path / "o.parquet")
+    assert load_prompts(tmp_path / "o.parquet")[0].origin == f"{tmp_path / 'o.parquet'}: row 1"
+
+
+def _rows(n: int, long: set[int]) -> tuple[list[PromptRow], list[list[int]]]:
+    rows = [PromptRow(f"p{i}", None, "1", None, "math", f"r{i}", {}, origin=f"f.jsonl: line {i + 1}") for i in range(n)]
+    return rows, [[0] * (11 if i in long else 10) for i in range(n)]
+
+
+LIMIT = dict(max_prompt_tokens=10, source_key="data.train", source="f.jsonl", why="context 18, 8 new tokens")
+
+
+def test_prompts_within_the_limit_pass_untouched():
+    rows, ids = _rows(3, set())
+    assert limit_prompt_lengths(rows, ids, on_long_prompt="error", **LIMIT) == (rows, ids, 0)
+
+
+def test_a_long_prompt_is_an_error_naming_the_key_the_file_the_row_and_the_fix():
+    rows, ids = _rows(4, {1, 3})
+    with pytest.raises(DatasetError) as info:
+        limit_prompt_lengths(rows, ids, on_long_prompt="error", **LIMIT)
+    message = str(info.value)
+    assert message.startswith("data.train='f.jsonl': 2 prompt(s) longer than 10 tokens (context 18, 8 new tokens)")
+    assert "f.jsonl: line 2: prompt has 11 tokens" in message and "f.jsonl: line 4: prompt has 11 tokens" in message
+    assert "line 1:" not in message and "data.on_long_prompt=drop" in message
+
+
+def test_many_long_prompts_are_listed_up_to_twenty():
+    rows, ids = _rows(30, set(range(30)))
+    with pytest.raises(DatasetError) as info:
+        limit_prompt_lengths(rows, ids, on_long_prompt="error", **LIMIT)
+    assert "30 prompt(s)" in str(info.value) and "line 20:" in str(info.value) and "... and 10 more" in str(info.value)
+
+
+def test_drop_leaves_long_prompts_out_and_counts_them():
+    rows, ids = _rows(5, {0, 2})
+    kept, kept_ids, dropped = limit_prompt_lengths(rows, ids, on_long_prompt="drop", **LIMIT)
+    assert [r.id for r in kept] == ["r1", "r3", "r4"] and kept_ids == [ids[1], ids[3], ids[4]] and dropped == 2
 
 
 def test_bad_parquet_row_names_row_number(tmp_path):
@@ -292,3 +350,11 @@ def test_sft_text_needs_an_answer():
     row = PromptRow("x", None, None, ["assert 1"], "code", "r1", {})
     with pytest.raises(ValueError, match="no answer"):
         sft_text(row)
+
+
+def test_on_long_prompt_takes_error_or_drop():
+    base = OmegaConf.structured(DataConfig)
+    assert OmegaConf.to_object(base).on_long_prompt == "error"
+    assert OmegaConf.to_object(OmegaConf.merge(base, {"on_long_prompt": "drop"})).on_long_prompt == "drop"
+    with pytest.raises(Exception, match="truncate"):
+        OmegaConf.merge(base, {"on_long_prompt": "truncate"})
