@@ -126,8 +126,13 @@ def rollout_server(
     weight_version: Annotated[
         str, typer.Option(help="SGLang weight_version label of the weights in --model.")
     ] = "0",
+    max_body_bytes: Annotated[
+        int, typer.Option(help="Largest request body taken; a larger one answers 413.")
+    ] = 8 * 1024 * 1024,
 ) -> None:
     """Serve a model on CPU behind SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
+    if max_body_bytes < 1:
+        _fail(f"--max-body-bytes {max_body_bytes} must be >= 1")
     _setup_logging()
     from app.rollout.local_server import serve
 
@@ -139,6 +144,7 @@ def rollout_server(
             max_batch_size=max_batch_size,
             batch_window_ms=batch_window_ms,
             weight_version=weight_version,
+            max_body_bytes=max_body_bytes,
         )
     except ValueError as exc:
         _fail(str(exc))
@@ -203,10 +209,15 @@ def serve(
         ),
     ] = None,
     threads: Annotated[int, typer.Option(help="torch threads of the built-in engine.")] = 1,
+    max_body_bytes: Annotated[
+        int, typer.Option(help="Largest request body taken; a larger one answers 413.")
+    ] = 8 * 1024 * 1024,
 ) -> None:
     """Serve a model behind an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models)."""
     if threads < 1:
         _fail(f"--threads {threads} must be >= 1")
+    if max_body_bytes < 1:
+        _fail(f"--max-body-bytes {max_body_bytes} must be >= 1")
     _setup_logging()
     import torch
 
@@ -226,6 +237,7 @@ def serve(
             batch_window_ms=batch_window_ms,
             sglang_args=sglang_args,
             sglang_python=sglang_python,
+            max_body_bytes=max_body_bytes,
             announce=lambda line: typer.echo(line, err=True),
         )
     except (ModelRefError, ValueError, OSError) as exc:

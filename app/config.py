@@ -21,13 +21,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
+from app.rollout.base import MIN_TEMPERATURE
 from app.rollout.fleet import SupervisionConfig
 from app.rollout.sglang import SGLangClientConfig
 from rewards import RewardsConfig
-from rewards.code import CodeVerifierConfig
-from rewards.math import MathVerifierConfig
-from rewards.registry import config_from_params
-from rewards.text import ExactVerifierConfig, FormatVerifierConfig
+from rewards.registry import PARAMS, check_params
 from sandbox import SandboxConfig
 from trainer.advantages import AdvantageConfig
 from trainer.checkpoint import CheckpointConfig
@@ -160,9 +158,9 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.group_size must be >= 2 for group-relative advantages, got {self.group_size}"
             )
-        if self.temperature <= 0:
+        if not self.temperature >= MIN_TEMPERATURE:
             raise ValueError(
-                f"rollout.temperature must be > 0 for RL sampling, got {self.temperature} "
+                f"rollout.temperature must be at least {MIN_TEMPERATURE:g} for RL sampling, got {self.temperature} "
                 "(greedy accuracy is measured by eval.greedy)"
             )
         if not 0 < self.top_p <= 1:
@@ -289,28 +287,14 @@ class Config:
             )
 
 
-VERIFIER_PARAMS: dict[str, type] = {
-    "math": MathVerifierConfig,
-    "code": CodeVerifierConfig,
-    "format": FormatVerifierConfig,
-    "exact": ExactVerifierConfig,
-}
-"""The params dataclass of each built-in verifier: its params are checked when the config loads, without building
-the verifier (math imports sympy, code configures the sandbox). A `package.module:factory` verifier's params
-are checked when the reward runner builds it."""
-
-
 def _check_verifier_params(rewards: RewardsConfig) -> None:
     for i, spec in enumerate(rewards.verifiers):
-        cls = VERIFIER_PARAMS.get(spec.name)
-        if cls is None:
-            continue
         try:
-            config_from_params(cls, dict(spec.params), spec.name)
+            check_params(spec.name, dict(spec.params))
         except (TypeError, ValueError) as exc:
             raise ValueError(
                 f"rewards.verifiers[{i}].params={dict(spec.params)!r} is not valid for the {spec.name!r} "
-                f"verifier: {exc}. Fix or remove the parameter (see {cls.__name__} in rewards/)"
+                f"verifier: {exc}. Fix or remove the parameter (see {PARAMS[spec.name].__name__} in rewards/)"
             ) from None
 
 

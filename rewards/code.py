@@ -268,7 +268,7 @@ class CodeVerifier:
         return Score(reward, all_passed, breakdown)
 
 
-@register("code")
+@register("code", params=CodeVerifierConfig)
 def code_verifier(**params: Any) -> Verifier:
     """The ``code`` verifier; ``params`` are the fields of CodeVerifierConfig."""
     return CodeVerifier(config_from_params(CodeVerifierConfig, params, "code"))

@@ -323,7 +323,7 @@ def _gold_strings(reference: Any) -> tuple[str, ...]:
     return tuple(str(r).strip() for r in items if r is not None and str(r).strip())
 
 
-@register("math")
+@register("math", params=MathVerifierConfig)
 def math_verifier(**params: Any) -> Verifier:
     """The ``math`` verifier; ``params`` are the fields of MathVerifierConfig."""
     return MathVerifier(config_from_params(MathVerifierConfig, params, "math"))

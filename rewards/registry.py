@@ -1,6 +1,8 @@
 """The verifier registry: built-ins by name, anything else by ``package.module:factory``.
 
-``@register("name")`` on a factory ``(**params) -> Verifier`` adds it to ``REGISTRY``; the built-ins register
+``@register("name", params=ConfigDataclass)`` on a factory ``(**params) -> Verifier`` adds it to ``REGISTRY`` (and,
+when given, its params dataclass to ``PARAMS``, so ``check_params`` can check a config's params without building
+the verifier); the built-ins register
 themselves when ``rewards`` is imported. ``build_verifier`` resolves a name (or a dotted path) and calls the factory,
 so a bad name or bad parameters fail when the run starts, not on the first sample.
 """
@@ -17,12 +19,18 @@ from rewards.types import Verifier, VerifierFactory
 REGISTRY: dict[str, VerifierFactory] = {}
 """Registered verifier factories by name. Explicit on purpose: ``print(REGISTRY)`` shows what a config can name."""
 
+PARAMS: dict[str, type] = {}
+"""The params dataclass each registered verifier declared (``@register(name, params=...)``)."""
+
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C")
 
 
-def register(name: str) -> Callable[[F], F]:
-    """Register a verifier factory under ``name``; returns the factory unchanged (so it stays importable)."""
+def register(name: str, params: type | None = None) -> Callable[[F], F]:
+    """Register a verifier factory under ``name``; returns the factory unchanged (so it stays importable).
+
+    ``params``: the dataclass the factory builds from its keyword parameters (with ``config_from_params``), so a
+    config's params are checked when it loads (``check_params``), before any verifier is built."""
     if not name or ":" in name:
         raise ValueError(f"verifier name {name!r} is not valid: use a non-empty name without ':'")
 
@@ -34,6 +42,8 @@ def register(name: str) -> Callable[[F], F]:
                 f"pick another name for {_qualified_name(factory)}"
             )
         REGISTRY[name] = factory
+        if params is not None:
+            PARAMS[name] = params
         return factory
 
     return decorator
@@ -88,6 +98,16 @@ def config_from_params(cls: type[C], params: dict[str, Any], verifier: str) -> C
             f"verifier {verifier!r}: unknown parameter(s) {unknown} in params; valid parameters: {valid}"
         )
     return cls(**params)
+
+
+def check_params(name: str, params: dict[str, Any]) -> None:
+    """ValueError if ``params`` do not build verifier ``name``'s declared params dataclass.
+
+    Cheap (no verifier is built: math would import sympy, code would set up the sandbox). A no-op for a verifier
+    that declared no dataclass, such as a ``package.module:factory``: its params are checked when it is built."""
+    cls = PARAMS.get(name)
+    if cls is not None:
+        config_from_params(cls, dict(params), name)
 
 
 def _qualified_name(obj: Any) -> str:

@@ -35,7 +35,7 @@ class FormatVerifierConfig:
             raise ValueError(f"format verifier params.max_scan_chars={self.max_scan_chars!r} must be > 0")
 
 
-@register("format")
+@register("format", params=FormatVerifierConfig)
 def format_verifier(**params: Any) -> Verifier:
     """Reward 1.0 when the completion matches ``pattern``, else 0.0 (a shaping term, weighted beside math)."""
     cfg = config_from_params(FormatVerifierConfig, params, "format")
@@ -62,7 +62,7 @@ class ExactVerifierConfig:
     """Strip surrounding whitespace from both sides before comparing."""
 
 
-@register("exact")
+@register("exact", params=ExactVerifierConfig)
 def exact_verifier(**params: Any) -> Verifier:
     """Reward 1.0 when the completion equals ``reference`` (or one of a list of references), else 0.0."""
     cfg = config_from_params(ExactVerifierConfig, params, "exact")

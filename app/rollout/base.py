@@ -15,6 +15,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
+MIN_TEMPERATURE = 1e-6
+"""Smallest temperature other than 0 (greedy): logits / T must stay finite in float32 (1e-320 made them inf)."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -32,8 +35,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE) or self.temperature != self.temperature:
+            raise ValueError(
+                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.n < 1:

@@ -35,14 +35,14 @@ from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
+from app.rollout.base import MIN_TEMPERATURE
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 """Largest request body either server reads unless told otherwise (``max_body_bytes``)."""
 PARSE_INLINE_BYTES = 256 * 1024
 """Bodies up to this size are parsed on the event loop (about a millisecond); larger ones in a worker thread."""
-MIN_TEMPERATURE = 1e-6
-"""Smallest temperature other than 0 (greedy): logits / T must stay finite in float32."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What ``torch.Generator.manual_seed`` accepts; a seed outside it would fail inside the engine."""
 MAX_NEW_TOKENS = 2**31 - 1

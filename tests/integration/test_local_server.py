@@ -339,6 +339,8 @@ def test_rollout_server_command_serves_until_stopped(model_dirs):
         str(model_dirs[0]),
         "--port",
         str(port),
+        "--max-body-bytes",
+        "4096",
     ]
     proc = subprocess.Popen(
         command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -357,6 +359,10 @@ def test_rollout_server_command_serves_until_stopped(model_dirs):
             f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
         ).json()
         assert out["meta_info"]["completion_tokens"] >= 1
+        # --max-body-bytes reaches the server: a body past it answers 413.
+        big = httpx.post(f"{url}/generate", json={"input_ids": [1] * 4000, "sampling_params": {}})
+        assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]
+        assert httpx.get(f"{url}/server_info").json()["max_body_bytes"] == 4096
     finally:
         proc.terminate()
         proc.wait(timeout=20)

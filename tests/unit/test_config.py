@@ -54,6 +54,7 @@ def test_flatten_gives_dotted_keys():
         (["objective.name=grpo"], ["objective.name", "grpo", "ess"]),  # bad choice checked in __post_init__
         (["rollout.group_size=1"], ["rollout.group_size", "1", ">= 2"]),
         (["rollout.temperature=0"], ["rollout.temperature"]),
+        (["rollout.temperature=1e-320"], ["rollout.temperature", "at least 1e-06"]),
         (["run.steps=0"], ["run.steps", "0"]),
         (["eval.num_prompts=0"], ["eval.num_prompts"]),
         # cross-field: a micro-batch larger than the step's samples
