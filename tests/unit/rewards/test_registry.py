@@ -114,3 +114,28 @@ def test_contract_every_verifier(name):
     right = {"code": "print(1)", "math": "\\boxed{1}", "exact": "1", "format": "\\boxed{1}"}
     if name in right:
         assert verify(VerifierInput("prompt", right[name], reference, {})).reward == 1.0
+
+
+def test_a_declared_params_dataclass_checks_params_without_building(monkeypatch):
+    from dataclasses import dataclass
+
+    from rewards import registry
+
+    @dataclass
+    class WordsConfig:
+        target: int = 10
+
+    built = []
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    monkeypatch.setattr(registry, "PARAMS", dict(registry.PARAMS))
+
+    @registry.register("words-test", params=WordsConfig)
+    def words(**params):
+        built.append(params)
+        return lambda sample: None
+
+    registry.check_params("words-test", {"target": 3})
+    with pytest.raises(ValueError, match=r"unknown parameter\(s\) \['bogus'\]"):
+        registry.check_params("words-test", {"bogus": 1})
+    registry.check_params("some.module:factory", {"anything": 1})  # no declared dataclass: checked when built
+    assert built == [] and registry.PARAMS["math"].__name__ == "MathVerifierConfig"
