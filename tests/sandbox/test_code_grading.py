@@ -11,6 +11,7 @@ from rewards import VerifierInput
 from rewards.code import CodeVerifier, CodeVerifierConfig
 
 TESTS = [{"code": "assert add(2, 3) == 5"}]
+THREE_LINES = [{"code": "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0"}]
 TWO_TESTS = [{"code": "assert add(2, 3) == 5"}, {"code": "r = add(-1, 1)\nassert r == 0, r"}]
 
 CORRECT = {
@@ -55,6 +56,41 @@ HACKS = {
         "def add(a, b):\n    raise E()"
     ),
     "leaves a trace hook": "import sys\ndef add(a, b):\n    sys.settrace(lambda *a: None)\n    return a + b",
+    "audit hook installs a jumping tracer at the test's exec": (
+        "import sys\n"
+        "def tracer(frame, event, arg):\n"
+        "    if frame.f_code.co_filename == '<test>' and event == 'line' and frame.f_lineno < 3:\n"
+        "        frame.f_lineno = 3\n"
+        "        sys.settrace(None)\n"
+        "    return tracer\n"
+        "def hook(event, args):\n"
+        "    if event == 'exec':\n"
+        "        sys.settrace(tracer)\n"
+        "sys.addaudithook(hook)\n"
+        "def add(a, b):\n    return 0"
+    ),
+    "tracer set when the test calls it": (
+        "import sys\n"
+        "def tracer(frame, event, arg):\n"
+        "    if event == 'line' and frame.f_lineno < 3:\n"
+        "        frame.f_lineno = 3\n"
+        "    return tracer\n"
+        "def add(a, b):\n"
+        "    caller = sys._getframe(1)\n"
+        "    caller.f_trace = tracer\n"
+        "    sys.settrace(lambda *a: None)\n"
+        "    return 0"
+    ),
+    "digs the verdict marker out of gc": (
+        "import gc, os\n"
+        "def add(a, b):\n"
+        "    for o in gc.get_objects():\n"
+        "        if isinstance(o, dict) and 'nonce' in o:\n"
+        "            os.write(1, b'\\0trustbatch-test ' + o['nonce'].encode() + b' pass\\n')\n"
+        "            os._exit(0)\n"
+        "    return 0"
+    ),
+    "reads memory with ctypes": "import ctypes\ndef add(a, b):\n    return ctypes.c_int(0).value",
     "kills its own process group": "import os, signal\ndef add(a, b):\n    os.killpg(0, signal.SIGKILL)",
     "wrong answer": "def add(a, b):\n    return a - b",
     "syntax error": "def add(a, b) return a + b",
@@ -78,7 +114,7 @@ def test_correct_programs_pass(verify, program):
 
 @pytest.mark.parametrize("program", list(HACKS.values()), ids=list(HACKS))
 def test_exiting_and_hooks_earn_nothing(verify, program):
-    result = score(verify, program)
+    result = score(verify, program, THREE_LINES if "tracer" in program else TESTS)
     assert result.reward == 0.0 and result.correct is False and result.error is None, result
     assert result.breakdown["failed"][0]["why"] in {"early_exit", "wrong_answer", "error"}
 
