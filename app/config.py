@@ -119,6 +119,10 @@ class ModelConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     """Warm-start fine-tune used by `bootstrap`."""
 
+    def __post_init__(self) -> None:
+        if self.path.startswith("~"):  # expanded once here, so every reader of model.path sees the same path
+            self.path = str(Path(self.path).expanduser())
+
 
 @dataclass
 class RolloutConfig:
@@ -301,13 +305,23 @@ def _check_verifier_params(rewards: RewardsConfig) -> None:
 def check_trainable(config: Config) -> None:
     """Rules that only matter when training starts (print-config shows any config): the model directory, and
     that the run directory and the MLflow store can be written. Quick and bounded: nothing is loaded."""
+    try:
+        _check_trainable(config)
+    except OSError as exc:  # e.g. a path under a directory this user cannot search: stat itself fails
+        raise ConfigError(
+            f"cannot check the paths of this config ({exc}): make model.path, run.dir and tracking.uri point "
+            "at places this user can read and write"
+        ) from None
+
+
+def _check_trainable(config: Config) -> None:
     path = config.model.path
     if not path:
         raise ConfigError(
             "config key `model.path` is empty: set it to a local Hugging Face model directory "
             "(or model.bootstrap=true with a path to build the tiny offline model there)"
         )
-    local = Path(path).expanduser()
+    local = Path(path)
     if local.exists() and not (local / "config.json").is_file():
         what = "a directory without config.json" if local.is_dir() else "a file"
         raise ConfigError(
@@ -365,12 +379,15 @@ def writable_dir_problem(path: Path) -> str | None:
     """
     path = Path(path).expanduser().absolute()
     probe = path
-    while not probe.exists():
-        if probe.parent == probe:
-            return f"no existing parent directory of {path}"
-        probe = probe.parent
-    if not probe.is_dir():
-        return f"{probe} is a file, not a directory"
+    try:
+        while not probe.exists():
+            if probe.parent == probe:
+                return f"no existing parent directory of {path}"
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"{probe} is a file, not a directory"
+    except OSError as exc:  # stat refused (a directory this user cannot search)
+        return f"cannot look at {probe}: {exc.strerror or exc}"
     try:
         fd, name = tempfile.mkstemp(dir=probe, prefix=".trustbatch-write-test-")
     except OSError as exc:

@@ -126,6 +126,7 @@ def find_resume(cfg: Config) -> Resume:
             "interrupted before its first checkpoint, or checkpoint.every=0); start it again without resume"
         )
     # Every kept checkpoint is checked, not only the newest: the loop reads each one's state.json later.
+    steps = {path: step for step, path in found}
     problems = {path: checkpoint_problem(path) for _, path in found}
     damaged = [(path, problem) for path, problem in problems.items() if problem is not None]
     usable = [path for _, path in found if problems[path] is None]
@@ -142,7 +143,7 @@ def find_resume(cfg: Config) -> Resume:
             path,
             problem,
             checkpoint.name,
-            " (it is newer: its steps are redone)" if path.name > checkpoint.name else "",
+            " (it is newer: its steps are redone)" if steps[path] > steps[checkpoint] else "",
         )
     state = json.loads((checkpoint / "state.json").read_text())
     return Resume(
@@ -246,7 +247,10 @@ def encode_rows(tokenizer, rows: list[PromptRow]) -> list[list[int]]:
             out[i] = list(ids)
     for i, row in enumerate(rows):
         if row.prompt is None:
-            out[i] = encode_prompt(tokenizer, None, row.messages)
+            try:
+                out[i] = encode_prompt(tokenizer, None, row.messages)
+            except ValueError as exc:  # e.g. a model without a chat template for `messages` rows
+                raise DatasetError(f"{row.origin or 'a row'}: cannot tokenize its messages: {exc}") from None
     return out  # type: ignore[return-value]
 
 

@@ -45,7 +45,7 @@ with a lone surrogate), 404 for an unknown model (code ``model_not_found``) or r
 ``Content-Length`` or the bytes received pass the limit), 500 only for a failure inside the engine. A prompt
 that leaves no room in the model's context, or asks ``max_tokens`` beyond it, gets code
 ``context_length_exceeded``; a text longer than any text of that many tokens gets it before it is tokenized.
-A refused request leaves the keep-alive connection open.
+A refused request keeps the keep-alive connection open (after a 413 with an unread body, uvicorn may close it).
 
 Heavy work stays off the event loop, so one huge request never holds up the others: a large body is parsed,
 and every request is validated, tokenized and rendered with the chat template, in a worker thread
@@ -290,8 +290,7 @@ def _sampling(body: dict, served: ServedModel, prompts: list[list[int]], *, chat
     names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
     given = {k: body[k] for k in names if body.get(k) is not None}
     for key, value in given.items():
-        if not is_int(value) or value < 1:
-            raise APIError(f"{key} must be an integer >= 1, got {_show(value)}", param=key)
+        _checked(http.bounded_int, value, key, 1, http.MAX_NEW_TOKENS)
     if len(set(given.values())) > 1:
         raise APIError(
             f"max_tokens={given['max_tokens']} and max_completion_tokens={given['max_completion_tokens']} differ; "
@@ -532,7 +531,7 @@ def parse_chat(body: Any, served: ServedModel) -> _Parsed:
     kwargs = body.get("chat_template_kwargs") or {}
     if not isinstance(kwargs, dict):
         raise _bad_type("chat_template_kwargs", kwargs, "an object")
-    if "chat_template" in kwargs:  # a client's own Jinja would run here, in the event loop (loops: a DoS)
+    if "chat_template" in kwargs:  # a client's own Jinja could loop for ever, holding a worker thread (a DoS)
         raise APIError(
             "chat_template_kwargs.chat_template is refused: messages are rendered with the model's own template",
             param="chat_template_kwargs",

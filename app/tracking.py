@@ -72,8 +72,11 @@ def store_problem(tracking_uri: str) -> str | None:
     if scheme == "sqlite" and db is None:
         return "a SQLite URI needs three slashes before the path: sqlite:///relative/path.db or sqlite:////abs/path.db"
     if db is not None:
-        if db.exists() and not db.is_file():
-            return f"{db} is not a file"
+        try:
+            if db.exists() and not db.is_file():
+                return f"{db} is not a file"
+        except OSError as exc:  # stat refused (a directory this user cannot search)
+            return f"cannot look at {db}: {exc.strerror or exc}"
         problem = writable_dir_problem(db.parent)
         if problem:
             return f"the SQLite file {db} cannot be created or written ({problem})"

@@ -9,12 +9,17 @@ from typing import Any
 from rewards.registry import config_from_params, register
 from rewards.types import Score, Verifier, VerifierInput
 
+DEFAULT_PATTERN = r"\A(?=(.*?\\boxed\{))\1.+\}"
+FULL_BOXED = r"\\boxed\{.+\}"
+"""With ``full_match``, the default pattern means what it always did: the whole completion is one ``\\boxed{...}``
+(anchored at both ends, so this form is linear too)."""
+
 
 @dataclass
 class FormatVerifierConfig:
     """Parameters of the ``format`` verifier."""
 
-    pattern: str = r"\A(?=(.*?\\boxed\{))\1.+\}"
+    pattern: str = DEFAULT_PATTERN
     r"""Regular expression searched for in the completion (Python ``re``, DOTALL). The default wants a
     ``\\boxed{`` with a ``}`` somewhere after it; the lookahead (atomic in ``re``) commits to the first ``\\boxed{``, so it is
     linear where the plain ``\\boxed\{.+\}`` is quadratic on a repetition loop of unclosed boxes. A pattern
@@ -39,7 +44,8 @@ class FormatVerifierConfig:
 def format_verifier(**params: Any) -> Verifier:
     """Reward 1.0 when the completion matches ``pattern``, else 0.0 (a shaping term, weighted beside math)."""
     cfg = config_from_params(FormatVerifierConfig, params, "format")
-    regex = re.compile(cfg.pattern, re.DOTALL)
+    pattern = FULL_BOXED if cfg.full_match and cfg.pattern == DEFAULT_PATTERN else cfg.pattern
+    regex = re.compile(pattern, re.DOTALL)
 
     def verify(sample: VerifierInput) -> Score:
         text = (sample.completion or "").strip()

@@ -20,7 +20,7 @@ under a final name, and a directory without the marker is never loaded:
 ``load_checkpoint`` restores the model, the optimizer, the schedule and this rank's RNG states, and returns the
 ``state.json`` dict. ``checkpoint_problem`` tells, without loading any tensor, why a directory marked complete
 cannot be resumed from (a damaged ``state.json``, a missing or truncated file of ``trainer/``, ``model/`` or
-``rng.pt``). ``latest_checkpoint`` finds the newest complete one; ``prune_checkpoints`` keeps the last K
+``rng.pt``). ``list_checkpoints`` lists the complete ones, oldest first; ``prune_checkpoints`` keeps the last K
 plus any the caller names (the best). Every function that touches a sharded model is a collective: all ranks
 call it, in the same order.
 """
@@ -298,11 +298,6 @@ def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
         if match and child.is_dir() and is_complete(child):
             found.append((int(match.group(1)), child))
     return sorted(found)
-
-
-def latest_checkpoint(root: Path) -> Path | None:
-    found = list_checkpoints(root)
-    return found[-1][1] if found else None
 
 
 def prune_checkpoints(root: Path, *, keep_last: int, keep: tuple[Path, ...] = ()) -> list[Path]:

@@ -35,7 +35,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE) or self.temperature != self.temperature:
+        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):  # NaN fails both
             raise ValueError(
                 f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"
             )

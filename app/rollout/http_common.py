@@ -7,8 +7,8 @@ Each server keeps its own error shape (``{"error": "..."}`` natively, ``{"error"
 - **The body** (``read_body`` / ``read_json``): at most ``max_body_bytes`` (``DEFAULT_MAX_BODY_BYTES``, 8 MiB,
   unless the server is given another). A ``Content-Length`` over the limit is refused before a byte of the body
   is read; a body without one (chunked) is counted as it arrives and refused as soon as it passes the limit.
-  Either way the answer is 413 (``BodyError``); uvicorn discards the rest of that body and the keep-alive
-  connection carries on. A body that is not JSON is a 400 (``BodyError``); one over ``PARSE_INLINE_BYTES`` is
+  Either way the answer is 413 (``BodyError``); uvicorn discards the rest of that body (and may close the
+  keep-alive connection when much of it is unread). A body that is not JSON is a 400 (``BodyError``); one over ``PARSE_INLINE_BYTES`` is
   parsed in a worker thread, so the event loop keeps serving other clients meanwhile.
 - **A client that hangs up before its body is in** raises ``ClientGone``; ``client_gone`` (installed as an
   exception handler) logs one line for it, no traceback.

@@ -155,9 +155,6 @@ class RequestError(ValueError):
 # ---- request parsing ---------------------------------------------------------------------------------------
 
 
-# ---- request parsing ---------------------------------------------------------------------------------------
-
-
 def _type_name(value: Any) -> str:
     return {dict: "map", list: "sequence", str: "string", bool: "boolean", type(None): "null"}.get(
         type(value), "number"

@@ -8,6 +8,7 @@ the checks would fail the test in seconds rather than train for long.
 """
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -186,3 +187,28 @@ def test_drop_trains_without_the_long_prompts_and_counts_them_in_the_log_and_mlf
     metrics = MlflowClient(tracking_uri=summary["tracking_uri"]).get_run(summary["mlflow_run_id"]).data.metrics
     assert metrics["data/dropped_long_prompts/train"] == 2 and metrics["data/dropped_long_prompts/eval"] == 1
     assert metrics["data/train_prompts"] == 4 and metrics["data/eval_prompts"] == 2
+
+
+def test_paths_this_user_cannot_look_at_are_a_problem_not_a_traceback(tmp_path):
+    """As a user who cannot search /root (uid 65534), stat itself fails: that is reported, never raised."""
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run a check as another uid")
+    locked = tmp_path / "locked"
+    (locked / "inner").mkdir(parents=True)
+    locked.chmod(0o700)
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable, "-c"]
+    if subprocess.run([*as_nobody, "pass"], capture_output=True).returncode != 0:
+        pytest.skip("the interpreter cannot run as uid 65534 from this checkout")
+    code = (
+        "import sys; from app.config import writable_dir_problem; from app.tracking import store_problem; "
+        f"print(writable_dir_problem({str(locked / 'inner' / 'run')!r})); "
+        f"print(store_problem('sqlite:///{locked / 'inner' / 'mlflow.db'}'))"
+    )
+    out = subprocess.run([*as_nobody, code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 2 and all("Permission denied" in line for line in lines), out.stdout

@@ -115,3 +115,12 @@ def test_drop_that_leaves_nothing_is_an_error(tmp_path):
     cfg = config(tmp_path, [short(0)], [long(1)], "data.on_long_prompt=drop")
     with pytest.raises(DatasetError, match=r"^data\.eval=.*every prompt is longer than 56 tokens"):
         prepare(cfg)
+
+
+def test_chat_rows_for_a_tokenizer_without_a_chat_template_are_a_dataset_error(tmp_path):
+    tokenizer = build_tiny_tokenizer()
+    tokenizer.chat_template = None
+    path = write(tmp_path / "chat.jsonl", [{"messages": [{"role": "user", "content": "1+1="}], "answer": "2"}])
+    rows = load_prompts(str(path))
+    with pytest.raises(DatasetError, match=r"chat\.jsonl.*cannot tokenize its messages"):
+        encode_rows(tokenizer, rows)
