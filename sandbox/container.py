@@ -383,14 +383,16 @@ class DockerBackend:
         if not dead:
             return
         try:
-            try:
-                stale = self.client.containers.list(all=True, filters={"label": LABEL})
-            except Exception:
-                return  # keep the files: the next sweep tries again
             kept = set()
-            for container in stale:
-                owner = container.labels.get(OWNER_LABEL, "")
-                if owner in dead and not _remove(container):
+            for owner in dead:
+                try:  # sparse: listed without an inspect of each, which races with a removal in flight
+                    stale = self.client.containers.list(
+                        all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={owner}"}
+                    )
+                except Exception:
+                    kept.add(owner)  # keep its file: the next sweep tries again
+                    continue
+                if not all([_remove(container) for container in stale]):
                     kept.add(owner)
             for owner, fd in dead.items():
                 path = self.lease_dir / f"{owner}.lock"
@@ -432,8 +434,8 @@ class DockerBackend:
             # Nothing of ours should exist now, unless a start the engine finished after its API call timed out, or
             # (at exit) a run in a daemon thread: remove by label, and keep the lease file unless that worked.
             try:
-                leftovers = self.client.containers.list(
-                    all=True, filters={"label": f"{OWNER_LABEL}={self.owner}"}
+                leftovers = self.client.containers.list(  # sparse: no inspect that races with a removal
+                    all=True, sparse=True, filters={"label": f"{OWNER_LABEL}={self.owner}"}
                 )
                 gone = all([_remove(container) for container in leftovers])
             except Exception:

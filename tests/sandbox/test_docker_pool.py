@@ -102,8 +102,15 @@ def unshare_pid():
     return prefix
 
 
-def owned_by(client, owner: str) -> list[str]:
-    return [c.id for c in client.containers.list(all=True, filters={"label": f"{OWNER}={owner}"})]
+def owned_by(client, owner: str, settle_s: float = 30.0) -> list[str]:
+    """Ids of the owner's containers, once no removal of them is still in flight (``sparse``: listing without
+    inspecting each, which raced with a removal that docker was finishing); what remains after settle_s."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        found = [c.id for c in client.containers.list(all=True, sparse=True, filters={"label": f"{OWNER}={owner}"})]
+        if not found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
 
 
 def exists(client, container_id: str) -> bool:
