@@ -1,4 +1,4 @@
-"""`trustbatch` command line: argument plumbing only; the work lives in app/loop.py and friends."""
+"""`trustbatch` command line: argument plumbing only; the work lives in app/training/loop.py and friends."""
 
 from __future__ import annotations
 
@@ -76,8 +76,9 @@ def train(
     except ConfigError as exc:
         _fail(str(exc))
     _setup_logging()
-    from app.loop import run, summary_lines
     from app.rollout.fleet import FleetDownError
+    from app.training.loop import run
+    from app.training.records import summary_lines
 
     try:
         summary = run(cfg)
@@ -106,7 +107,7 @@ def bootstrap(
     _setup_logging()
     import torch
 
-    from app.bootstrap import bootstrap as build
+    from app.training.bootstrap import bootstrap as build
 
     torch.set_num_threads(cfg.run.threads)
 
@@ -134,10 +135,10 @@ def rollout_server(
     if max_body_bytes < 1:
         _fail(f"--max-body-bytes {max_body_bytes} must be >= 1")
     _setup_logging()
-    from app.rollout.local_server import serve
+    from app.serving.server import rollout_server as run_server
 
     try:
-        serve(
+        run_server(
             model,
             host,
             port,
@@ -222,7 +223,7 @@ def serve(
     import torch
 
     from app.models import ModelRefError
-    from app.serve import serve as run_server
+    from app.serving.server import serve as run_server
 
     torch.set_num_threads(threads)
     try:
@@ -267,7 +268,10 @@ def eval_model(
     ] = None,
     max_new_tokens: Annotated[
         int | None,
-        typer.Option(help="Longest completion (default: rollout.max_new_tokens of --config, else 256)."),
+        typer.Option(
+            help="Longest completion (default: rollout.max_new_tokens of --config, else 256 or what the longest "
+            "prompt leaves of the model's context)."
+        ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     out: Annotated[
@@ -281,13 +285,38 @@ def eval_model(
         ),
     ] = None,
     max_batch_size: Annotated[int, typer.Option(help="Sequences decoded together.")] = 256,
+    engine: Annotated[
+        str,
+        typer.Option(
+            help="embedded (in process) | local (the built-in CPU server) | sglang (launches SGLang, or "
+            "connects to rollout.sglang.urls of --config)."
+        ),
+    ] = "embedded",
+    sglang_python: Annotated[
+        str | None,
+        typer.Option(
+            help="--engine sglang: interpreter of an environment with SGLang (default: rollout.sglang.launch."
+            "python of --config, else this one), e.g. .venv-sglang/bin/python."
+        ),
+    ] = None,
+    on_long_prompt: Annotated[
+        str | None,
+        typer.Option(
+            help="A prompt leaving fewer than --max-new-tokens positions in the model's context: error | "
+            "drop (default: data.on_long_prompt of --config, else error)."
+        ),
+    ] = None,
     track: Annotated[bool, typer.Option(help="Log the evaluation as a new MLflow run.")] = True,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
 ) -> None:
     """Measure pass@1 and pass@k of a model on a prompt set (table, JSON, MLflow run)."""
-    from app.data import DatasetError
-    from app.evaluate import EvalSettings, results_table, run_evaluation
+    from dataclasses import replace
+
+    from app.data import DataConfig, DatasetError
+    from app.evaluation import EngineOptions, EvalSettings, results_table, run_evaluation
     from app.models import ModelRefError
+    from app.rollout.sglang import SGLangError
+    from app.rollout.sglang_server import SGLangLaunchError
 
     cfg = _load(config, []) if config is not None else None
     if threads < 1:
@@ -302,12 +331,18 @@ def eval_model(
             top_p=top_p if top_p is not None else (cfg.rollout.top_p if cfg else 1.0),
             max_new_tokens=max_new_tokens
             if max_new_tokens is not None
-            else (cfg.rollout.max_new_tokens if cfg else 256),
+            else (cfg.rollout.max_new_tokens if cfg else None),
             seed=seed,
             max_batch_size=max_batch_size,
+            engine=engine,
         )
     except ValueError as exc:
         _fail(str(exc))
+    if on_long_prompt not in (None, "error", "drop"):
+        _fail(f"--on-long-prompt {on_long_prompt!r}: choose error or drop")
+    data_cfg = cfg.data if cfg else DataConfig()
+    if on_long_prompt is not None:
+        data_cfg = replace(data_cfg, on_long_prompt=on_long_prompt)
     _setup_logging()
     import torch
     from rich.console import Console
@@ -324,7 +359,10 @@ def eval_model(
                 tracking_uri=uri,
                 rewards=cfg.rewards if cfg else None,
                 sandbox=cfg.sandbox if cfg else None,
-                data_cfg=cfg.data if cfg else None,
+                data_cfg=data_cfg,
+                engine_options=EngineOptions(
+                    sglang=cfg.rollout.sglang if cfg else None, sglang_python=sglang_python
+                ),
                 experiment=cfg.tracking.experiment if cfg else "trustbatch",
                 out=out,
                 track=track,
@@ -332,6 +370,9 @@ def eval_model(
             )
         except (ModelRefError, DatasetError, ValueError, OSError) as exc:
             _fail(str(exc))
+        except (SGLangError, SGLangLaunchError) as exc:  # a server that did not start or answer
+            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(code=1) from None
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)

@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
-from app.rollout.base import MIN_TEMPERATURE
 from app.rollout.fleet import SupervisionConfig
 from app.rollout.sglang import SGLangClientConfig
+from app.sampling import bounded_int, temperature, top_p
 from rewards import RewardsConfig
 from rewards.registry import PARAMS, check_params
 from sandbox import SandboxConfig
@@ -162,15 +162,14 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.group_size must be >= 2 for group-relative advantages, got {self.group_size}"
             )
-        if not self.temperature >= MIN_TEMPERATURE:
+        # The engine's own checks (app/sampling.py); RL sampling also refuses greedy (0).
+        if self.temperature == 0:
             raise ValueError(
-                f"rollout.temperature must be at least {MIN_TEMPERATURE:g} for RL sampling, got {self.temperature} "
-                "(greedy accuracy is measured by eval.greedy)"
+                "rollout.temperature must be > 0 for RL sampling (greedy accuracy is measured by eval.greedy)"
             )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"rollout.top_p must be in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"rollout.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        temperature(self.temperature, "rollout.temperature", greedy=False)
+        top_p(self.top_p, "rollout.top_p")
+        bounded_int(self.max_new_tokens, "rollout.max_new_tokens", 1)
         if self.max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.max_lag < 0:

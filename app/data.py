@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from app.sampling import describe
+
 ROLES = ("system", "user", "assistant")
 FILE_EXTENSIONS = (".jsonl", ".parquet")
 BUILTIN_PREFIX = "builtin:"
@@ -72,7 +74,7 @@ def _row_problems(row: Any) -> list[tuple[str, str]]:
     elif prompt is None and messages is None:
         problems.append(("prompt/messages", 'neither is given; add "prompt": "..." or "messages": [...]'))
     if prompt is not None and (not isinstance(prompt, str) or not prompt.strip()):
-        problems.append(("prompt", f"must be a non-empty string, got {_show(prompt)}"))
+        problems.append(("prompt", f"must be a non-empty string, got {describe(prompt)}"))
     if messages is not None:
         problems += _message_problems(messages)
     answer, tests = row.get("answer"), row.get("tests")
@@ -81,20 +83,20 @@ def _row_problems(row: Any) -> list[tuple[str, str]]:
             ("answer/tests", 'neither is given; add "answer": "..." (math) or "tests": [...] (code)')
         )
     if answer is not None and (isinstance(answer, bool) or not isinstance(answer, (str, int, float))):
-        problems.append(("answer", f"must be a string (or a number), got {_show(answer)}"))
+        problems.append(("answer", f"must be a string (or a number), got {describe(answer)}"))
     if tests is not None and (not isinstance(tests, list) or not tests):
-        problems.append(("tests", f"must be a non-empty list of test cases, got {_show(tests)}"))
+        problems.append(("tests", f"must be a non-empty list of test cases, got {describe(tests)}"))
     task = row.get("task")
     if task is not None and (not isinstance(task, str) or not task.strip()):
-        problems.append(("task", f'must be a non-empty string such as "math" or "code", got {_show(task)}'))
+        problems.append(("task", f'must be a non-empty string such as "math" or "code", got {describe(task)}'))
     row_id = row.get("id")
     if row_id is not None and (isinstance(row_id, bool) or not isinstance(row_id, (str, int))):
-        problems.append(("id", f"must be a string or an integer, got {_show(row_id)}"))
+        problems.append(("id", f"must be a string or an integer, got {describe(row_id)}"))
     problems += _surrogate_problems(row)
     metadata = row.get("metadata")
     if metadata is not None:
         if not isinstance(metadata, dict):
-            problems.append(("metadata", f"must be an object, got {_show(metadata)}"))
+            problems.append(("metadata", f"must be an object, got {describe(metadata)}"))
         else:
             clashes = sorted(k for k in row if k not in _KNOWN_KEYS and k in metadata)
             if clashes:
@@ -141,28 +143,23 @@ def _surrogate_problems(row: dict) -> list[tuple[str, str]]:
 def _message_problems(messages: Any) -> list[tuple[str, str]]:
     if not isinstance(messages, list) or not messages:
         return [
-            ("messages", f'must be a non-empty list of {{"role", "content"}} objects, got {_show(messages)}')
+            ("messages", f'must be a non-empty list of {{"role", "content"}} objects, got {describe(messages)}')
         ]
     problems = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
             problems.append(
-                (where, f'must be an object {{"role": ..., "content": ...}}, got {_show(message)}')
+                (where, f'must be an object {{"role": ..., "content": ...}}, got {describe(message)}')
             )
             continue
         if message.get("role") not in ROLES:
             problems.append(
-                (f"{where}.role", f"must be one of {list(ROLES)}, got {_show(message.get('role'))}")
+                (f"{where}.role", f"must be one of {list(ROLES)}, got {describe(message.get('role'))}")
             )
         if not isinstance(message.get("content"), str):
-            problems.append((f"{where}.content", f"must be a string, got {_show(message.get('content'))}"))
+            problems.append((f"{where}.content", f"must be a string, got {describe(message.get('content'))}"))
     return problems
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _to_row(raw: dict, default_id: str, origin: str = "") -> PromptRow:

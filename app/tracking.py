@@ -118,19 +118,24 @@ class Tracker:
     def __init__(
         self,
         cfg: TrackingConfig,
-        run_dir: Path,
+        run_dir: Path | None,
         *,
         run_name: str,
         enabled: bool = True,
         resume_run_id: str | None = None,
+        tags: dict[str, str] | None = None,
     ):
-        """Start a new MLflow run, or continue run ``resume_run_id`` (its metrics then go on from where they
-        stopped: the caller logs at the steps that follow the checkpoint)."""
+        """Start a new MLflow run in experiment ``cfg.experiment`` with ``tags``, or continue run
+        ``resume_run_id`` (its metrics then go on from where they stopped: the caller logs at the steps that
+        follow the checkpoint). ``run_dir`` None: a run without a directory (`trustbatch eval`), tracked in
+        ``cfg.uri`` or the default store."""
         self.enabled = enabled
         self.run_id: str | None = None
         self._resumed = bool(resume_run_id)  # params are immutable in MLflow: a resumed run keeps its own
         # The default store sits beside the run directory (runs/mlflow.db for runs/<name>), shared by its siblings.
-        self.tracking_uri = cfg.uri or default_tracking_uri(run_dir.parent)
+        self.tracking_uri = cfg.uri or (
+            default_tracking_uri(run_dir.parent) if run_dir else default_tracking_uri()
+        )
         if not enabled:
             return
         _import_mlflow()
@@ -145,24 +150,33 @@ class Tracker:
             self.client.update_run(resume_run_id, status="RUNNING")
         else:
             experiment_id = ensure_experiment(self.client, cfg.experiment, self.tracking_uri)
-            run = self.client.create_run(
-                experiment_id,
-                run_name=run_name,
-                tags={"trustbatch.run_dir": str(run_dir.resolve()), "mlflow.runName": run_name},
-            )
+            run_tags = {**(tags or {}), "mlflow.runName": run_name}
+            if run_dir is not None:
+                run_tags["trustbatch.run_dir"] = str(run_dir.resolve())
+            run = self.client.create_run(experiment_id, run_name=run_name, tags=run_tags)
         self.run_id = run.info.run_id
         self.artifact_uri = run.info.artifact_uri
 
     def log_config(self, config: Config) -> None:
         if not self.enabled or self._resumed:
             return
-        params = {k: ("" if v is None else str(v))[:6000] for k, v in flatten(config).items()}
+        self.log_params(flatten(config))
+        self.client.log_text(self.run_id, to_yaml(config), "config.yaml")
+
+    def log_params(self, params: dict[str, object]) -> None:
+        """Params as strings (None as empty), each cut to MLflow's 6000 characters."""
+        if not self.enabled or self._resumed:
+            return
         from mlflow.entities import Param
 
-        items = [Param(k, v) for k, v in params.items()]
+        items = [Param(k, ("" if v is None else str(v))[:6000]) for k, v in params.items()]
         for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
             self.client.log_batch(self.run_id, params=items[i : i + 100])
-        self.client.log_text(self.run_id, to_yaml(config), "config.yaml")
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """``text`` as the run artifact ``artifact_file`` (a path inside the run's artifacts)."""
+        if self.enabled:
+            self.client.log_text(self.run_id, text, artifact_file)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from app.rollout.base import SamplingParams  # noqa: E402
-from app.rollout.launcher import LocalServerProcess  # noqa: E402
+from app.rollout.process import LocalServerProcess  # noqa: E402
 from app.rollout.sglang import SGLangClient, SGLangClientConfig  # noqa: E402
 from app.rollout.sglang_server import SGLangLaunchConfig, launch_servers  # noqa: E402
 

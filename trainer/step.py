@@ -29,24 +29,10 @@ gradient-accumulation factor appears (FeynRL's `dp_scale = ga_steps * world_size
 mean, which we never take). This assumes gradients averaged over the reducer's group, as `shard_model` sets
 up: a multi-rank reducer with an unsharded model (no gradient sync at all) is refused.
 
-Metrics returned (Python floats, identical on every rank):
-- `loss/total`: the loss of the step, Σ over tokens / N (what was backpropagated, before dp_scale).
-- `loss/policy`: the surrogate term alone, / N.
-- `loss/kl_behaviour`: k3 KL to the behaviour policy, token mean (ESS weights it by 1 − ESS).
-- `loss/clipfrac`: fraction of valid tokens whose weight was capped (ESS cap or PPO clip).
-- `loss/ratio/mean`, `loss/ratio/max`: mean and max importance ratio exp(ℓ − b) over valid tokens.
-- `loss/entropy`: mean token entropy of the policy at the sampling temperature (always computed; it is in
-  the loss only when `objective.entropy_coef > 0`).
-- `loss/ref_kl`: k3 KL to the reference policy, token mean (only when the batch has `ref_logprobs`).
-- `loss/ess`: the ESS used, averaged over micro-batches (the one per-step ESS for `ess_scope="step"`);
-  computed for every objective, as a staleness diagnostic, but only `ess` uses it.
-- `train/grad_norm`: global L2 norm of the gradient BEFORE clipping (NaN/inf on a skipped step).
-- `train/lr`: the learning rate this step used (read before `scheduler.step()`).
-- `train/num_tokens`: N, the global number of valid tokens.
-- `train/micro_batches`: micro-batches per rank, padding included.
-- `train/skipped` and `train/skipped_steps`: 1.0 when the non-finite guard skipped the update, else 0.0
-  (the same value; `skipped_steps` is the name to sum into a run-level counter).
-- `timing/train_step`: wall-clock seconds of the call.
+Metrics returned (Python floats, identical on every rank): the objective's `loss/*` keys reduced over
+micro-batches and ranks as trainer/objective.py describes, plus `train/grad_norm` (before clipping),
+`train/lr`, `train/num_tokens`, `train/micro_batches`, `train/skipped` and `timing/train_step`. What each
+one means is in the metric glossary, trainer/README.md.
 """
 
 from __future__ import annotations
@@ -352,7 +338,6 @@ def train_step(
             "train/num_tokens": num_tokens,
             "train/micro_batches": float(num_micro),
             "train/skipped": float(skipped),
-            "train/skipped_steps": float(skipped),
             "timing/train_step": time.perf_counter() - start_time,
         }
     )

@@ -6,8 +6,8 @@ world_size, group_name, backend}`` makes every TP rank of the server call SGLang
 ``init_custom_process_group`` (srt/utils/common.py) with rank ``rank_offset + tp_rank``; then each
 ``POST /update_weights_from_distributed {names, dtypes, shapes, ...}`` makes them receive broadcasts from rank 0
 of that group, in the order of ``names``. The trainer is rank 0. This module holds what rank 0 does, and
-nothing about HTTP (the client calls live in app/rollout/sglang.py, the orchestration of both halves in
-app/rollout/weight_sync.py):
+nothing about HTTP (the requests and the orchestration of both halves live in app/rollout/weight_sync.py, which
+reaches this module through app/rollout/joint.py):
 
 - `WeightUpdateGroup`: rank 0 of such a group, built exactly as ``init_custom_process_group`` builds it on the
   server side: a ``TCPStore`` hosted here (SGLang's ``tcp://`` rendezvous makes rank 0 the store's host),
@@ -17,7 +17,8 @@ app/rollout/weight_sync.py):
 - `plan_buckets` / `tensor_specs` / `flatten_bucket`: the name, dtype and shape lists SGLang needs, and the
   "flattened_bucket" wire format (SGLang's ``FlattenedTensorBucket``: the tensors' bytes concatenated as one
   uint8 tensor in list order), so a whole bucket travels in one broadcast.
-- `state_dict_for_sync`: the full (unsharded) state dict of a plain or FSDP2-sharded model on rank 0.
+- `state_dict_for_sync`: the full (unsharded) state dict of a plain or FSDP2-sharded model, cast to the dtype
+  sent: the one gather-and-cast of every in-memory publication (the embedded engine, the distributed method).
 
 The group is gloo on CPU and NCCL between GPUs: NCCL broadcasts CUDA tensors only, so with ``backend="nccl"``
 each bucket is copied to ``device`` (the current CUDA device) before it is sent.
@@ -90,14 +91,20 @@ def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> Tensor:
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
 
 
-def state_dict_for_sync(model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> dict[str, Tensor]:
-    """The full state dict to push to rollout engines: rank 0 gets every tensor, other ranks ``{}``.
+def state_dict_for_sync(
+    model: torch.nn.Module, *, dtype: torch.dtype | str | None = None, every_rank: bool = False
+) -> dict[str, Tensor]:
+    """The full state dict to push to rollout engines, floating-point tensors cast to ``dtype``.
 
-    For an FSDP2-sharded model this is a collective (`trainer.distributed.full_state_dict` with
-    ``rank0_only=True``): every trainer rank must call it. ``dtype`` casts floating-point tensors (e.g. to the
-    engine's bfloat16, halving the bytes sent; SGLang copies into its own dtype either way).
+    For an FSDP2-sharded model this is a collective (`trainer.distributed.full_state_dict`): every trainer rank
+    must call it. By default only rank 0 gets the tensors (gathered straight to CPU) and the other ranks ``{}``;
+    ``every_rank=True`` gives each rank the whole state dict (when every rank feeds engines of its own).
+    ``dtype`` (a torch dtype or its name, e.g. ``"bfloat16"`` for bf16 engines: half the bytes sent) casts the
+    floating-point tensors; None keeps them as they are (SGLang copies into its own dtype either way).
     """
-    state = full_state_dict(model, rank0_only=True)
+    state = full_state_dict(model, rank0_only=not every_rank)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
     if dtype is not None:
         state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
     return state

@@ -15,8 +15,9 @@ from typing import Literal, Protocol, runtime_checkable
 
 import torch
 
-MIN_TEMPERATURE = 1e-6
-"""Smallest temperature other than 0 (greedy): logits / T must stay finite in float32 (1e-320 made them inf)."""
+from app.sampling import MIN_TEMPERATURE, check_sampling
+
+__all__ = ["MIN_TEMPERATURE", "Completion", "RolloutEngine", "SamplingParams", "WeightSource"]
 
 
 @dataclass(frozen=True)
@@ -33,16 +34,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE):  # NaN fails both
-            raise ValueError(
-                f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE:g}, got {self.temperature}"
-            )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
+        # The checks of every sampling value trustbatch takes (app/sampling.py): finite numbers, a temperature
+        # of 0 or at least MIN_TEMPERATURE, top_p in (0, 1], a seed the generator takes.
+        names = ("max_new_tokens", "temperature", "top_p", "n", "stop_token_ids", "seed")
+        check_sampling({name: (name, getattr(self, name)) for name in names})
 
 
 @dataclass

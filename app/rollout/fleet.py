@@ -2,7 +2,28 @@
 
 A ``Fleet`` wraps the one RolloutEngine of a rank (the SGLang client over one or more servers, or the embedded
 engine) and, when the run started the servers itself (``rollout.engine=local``, or SGLang launched from the
-config), the server processes. The loop only ever calls ``generate`` and ``publish``.
+config), the server processes (`app.rollout.process.ServerProcess`). The loop only ever calls ``connect``,
+``generate``, ``publish``, ``flush`` and ``close``.
+
+Publication (the fleet is the one owner of getting each new policy version onto the engines):
+``await fleet.publish(model, version)`` snapshots the weights (they must be copied before the next optimizer step
+changes them) and returns; the push to the engines runs in the background, one version after another, and calls
+``PublishHooks.held(version)`` (the loop's policy clock advances) when every engine holds it. ``flush()`` waits
+for the pushes; with ``wait_for_push`` (``rollout.max_lag=0``, nothing to overlap with) ``publish`` does. How a
+version travels is chosen here, from the engine and ``rollout.sglang.weight_sync``:
+
+- **disk** (HTTP servers, ``method=disk``): every rank gathers, rank 0 writes ``weights_dir/v<N>/`` (an HF
+  directory, `app.rollout.joint.save_version`), and each rank's servers load it (/update_weights_from_disk).
+  The three newest versions stay on disk (a restarted server starts from the newest), older ones are removed;
+- **distributed** (SGLang, ``method=distributed``): every rank gathers and casts the state dict
+  (`app.rollout.joint.gather_weights`) and broadcasts it to its own servers over NCCL/gloo
+  (app/rollout/weight_sync.py); nothing touches the file system;
+- **in memory** (the embedded engine): the same gathered state dict, loaded in process.
+
+Under FSDP2 the gather is a collective: every rank calls ``publish`` for every version. A push that fails for
+good calls ``PublishHooks.failed`` (the loop closes its buffer: rollouts wait for the version, so training must
+stop) and then raises from ``flush``. ``PublishHooks.gate`` (``rollout.exact_lag``) is awaited before each push.
+``connect`` hands a resumed run's weights (``latest``) to servers it did not start.
 
 Failures (a rollout server that dies or hangs is detected, then restarted or reported):
 - **A started server dies** (killed, crashed, OOM): the watchdog sees the process exit within
@@ -13,15 +34,16 @@ Failures (a rollout server that dies or hangs is detected, then restarted or rep
   and restarts it as above. Requests stuck on it fail with connection errors at once.
 - **Requests lost** to either: the SGLang client retries them (back-off, next server); when its retries run
   out, ``generate`` waits for the fleet to heal and *resubmits* the whole call (same prompts, same seed).
-  ``publish`` re-sends the weight update after healing.
-- **A server given by URL** (the run cannot restart it) that stays down: ``generate``/``publish`` wait up to
+  A weight push is re-sent after healing.
+- **A server given by URL** (the run cannot restart it) that stays down: ``generate`` and a push wait up to
   ``rollout.sglang.health_timeout_s`` for it to answer ``/health`` again, then raise ``FleetDownError``
   naming the server, the time waited and what was tried; the run stops there, and its checkpoints (written
   atomically) are intact.
 - ``max_restarts`` bounds restarts over the whole run (a server that dies at every start is a bug to report,
   not to retry forever).
 
-Counters for metrics: ``restarts``, ``resubmits``; ``busy`` measures the wall time with a generation in flight.
+Counters for metrics: ``restarts``, ``resubmits``; ``busy`` measures the wall time with a generation in flight;
+``last_sync_s`` is how long the latest completed push took.
 """
 
 from __future__ import annotations
@@ -29,15 +51,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
+import torch
+
+from app.rollout import joint
 from app.rollout.base import Completion, RolloutEngine, SamplingParams, WeightSource
-from app.rollout.sglang import RolloutServerError, SGLangClient
-from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, WeightSyncError
+from app.rollout.process import ServerProcess
+from app.rollout.sglang import RolloutServerError, SGLangClient, WeightSyncConfig
+from app.rollout.weight_sync import DistributedWeightSync, WeightSyncError
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -47,21 +74,20 @@ class FleetDownError(RuntimeError):
     """The rollout servers could not be brought back (given by URL and down too long, or out of restarts)."""
 
 
-class ServerProcess(Protocol):
-    """A server the run started and may restart (`LocalServerProcess`, `SGLangServerProcess`)."""
+KEEP_VERSIONS = 3
+"""Versions kept in ``weights_dir``: older ones are no longer loaded by any rank's servers, nor restarted from."""
 
-    url: str
-    model_dir: Path
-    weight_version: str
-    log_path: Path
 
-    def start(self, *, model_dir: Path | None = None, weight_version: int | str | None = None) -> str: ...
+@dataclass
+class PublishHooks:
+    """What the training side gives the fleet's publication: callbacks, so app/rollout needs none of its types."""
 
-    def exited(self) -> int | None: ...
-
-    def kill(self) -> None: ...
-
-    def stop(self) -> None: ...
+    held: Callable[[int], Awaitable[None]]
+    """Awaited with each version once every engine holds it (the loop advances its policy clock)."""
+    failed: Callable[[BaseException], Awaitable[None]]
+    """Awaited with the error of a push that failed for good (the loop closes its buffer: training stops)."""
+    gate: Callable[[int], Awaitable[None]] | None = None
+    """Awaited before a version is pushed (``rollout.exact_lag``: the generated-watermark); None: push at once."""
 
 
 @dataclass
@@ -119,6 +145,12 @@ class Fleet:
         servers: processes this run started and may restart (empty: servers given by URL, or in-process).
         cfg: watchdog and restart limits.
         health_timeout_s: how long to wait for servers given by URL to come back.
+        weight_sync: ``rollout.sglang.weight_sync``; its distributed method broadcasts each version.
+        weights_dir: where versions are saved for HTTP servers that load them from disk (one folder a version,
+            written by rank 0 and read by every rank's servers: one machine, or a filesystem they share).
+        tokenizer: saved with each version on disk (the servers load a complete HF directory).
+        is_main: this rank writes the files (rank 0).
+        wait_for_push: ``publish`` returns only once every engine holds the version (``rollout.max_lag=0``).
     """
 
     def __init__(
@@ -129,18 +161,28 @@ class Fleet:
         *,
         health_timeout_s: float,
         weight_sync: WeightSyncConfig | None = None,
+        weights_dir: Path | None = None,
+        tokenizer: object = None,
+        is_main: bool = True,
+        wait_for_push: bool = False,
     ) -> None:
         self.engine, self.servers, self.cfg = engine, list(servers), cfg
         self.health_timeout_s = health_timeout_s
         self.weight_sync = weight_sync if weight_sync is not None and weight_sync.method == "distributed" else None
         """Set: in-memory weights are broadcast to the SGLang servers over a process group (NCCL/gloo)."""
+        self.weights_dir, self.tokenizer, self.is_main = weights_dir, tokenizer, is_main
+        self.wait_for_push = wait_for_push
         self._sync: DistributedWeightSync | None = None
         self._sync_restarts = 0
         self.restarts = 0
         self.resubmits = 0
         self.busy = BusyMeter()
+        self.last_sync_s = 0.0
+        """Seconds the latest completed push took (the snapshot excluded)."""
         self.latest: tuple[Path, int] | None = None
-        """The newest published weights (directory, version): what a restarted server starts from."""
+        """The newest weights on disk (directory, version): what a restarted server starts from."""
+        self._hooks: PublishHooks | None = None
+        self._push: asyncio.Task | None = None
         self._healthy = asyncio.Event()
         self._healthy.set()
         self._fatal: BaseException | None = None
@@ -150,17 +192,79 @@ class Fleet:
     def http(self) -> bool:
         return isinstance(self.engine, SGLangClient)
 
-    # ------------------------------------------------------------------ the two operations of the loop
+    # ------------------------------------------------------------------ what the loop calls
+
+    async def connect(self, hooks: PublishHooks) -> None:
+        """Wait for the servers, hand a resumed run's weights to servers it did not start, start the watchdog;
+        ``hooks`` serve every later ``publish``."""
+        self._hooks = hooks
+        if self.http:
+            assert isinstance(self.engine, SGLangClient)
+            await self.engine.wait_healthy()
+        if self.latest is not None and not self.servers:
+            path, version = self.latest
+            await self._load(WeightSource(path=path), version)
+        self.start_watchdog()
 
     async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
         """``engine.generate``, resubmitted after the fleet heals when servers fail (module docstring)."""
         with self.busy.busy():
             return await self._survive(lambda: self.engine.generate(prompts, params), "generate")
 
-    async def publish(self, source: WeightSource, version: int) -> None:
-        """Load new weights as ``version`` on every engine; a restarted server starts from them (disk only:
-        under the distributed method a restarted server serves its start weights until the next push, and
-        the staleness bound drops what it generates before then)."""
+    async def publish(self, model: torch.nn.Module, version: int) -> None:
+        """Snapshot ``model``'s weights as policy ``version`` and push them to every engine in the background
+        (module docstring); every rank calls it. Returns once the snapshot is taken (saved on disk, or gathered
+        in memory), or with ``wait_for_push`` once every engine holds the version."""
+        if self._hooks is None:
+            raise RuntimeError("Fleet.connect(hooks) must come before publish")
+        if self.on_disk:
+            assert self.weights_dir is not None, "HTTP servers that load from disk need a weights_dir"
+            path = self.weights_dir / f"v{version}"
+            await asyncio.to_thread(joint.save_version, model, self.tokenizer, path, is_main=self.is_main)
+            source = WeightSource(path=path)
+        else:  # the embedded engine, or a broadcast over NCCL/gloo
+            dtype = self.weight_sync.dtype if self.weight_sync is not None else None
+            source = WeightSource(state_dict=await asyncio.to_thread(joint.gather_weights, model, dtype=dtype))
+        previous = self._push
+        self._push = asyncio.create_task(self._push_after(previous, source, version), name=f"publish-{version}")
+        if self.wait_for_push:
+            await self.flush()
+
+    async def flush(self) -> None:
+        """Wait until every published version is held by every engine (raises a push's error)."""
+        if self._push is not None:
+            await self._push
+
+    @property
+    def on_disk(self) -> bool:
+        """Versions travel as HF directories (update_weights_from_disk), not as in-memory tensors."""
+        return self.http and self.weight_sync is None
+
+    # ------------------------------------------------------------------ pushing a version
+
+    async def _push_after(self, previous: asyncio.Task | None, source: WeightSource, version: int) -> None:
+        assert self._hooks is not None
+        if previous is not None:
+            await previous
+        if self._hooks.gate is not None:
+            await self._hooks.gate(version)
+        t0 = time.perf_counter()
+        try:
+            await self._load(source, version)
+        except Exception as exc:
+            await self._hooks.failed(exc)  # rollouts wait for this version: without it nothing would move again
+            raise
+        self.last_sync_s = time.perf_counter() - t0
+        await self._hooks.held(version)
+        if source.path is not None and self.is_main and self.weights_dir is not None:
+            for old in self.weights_dir.glob("v*"):
+                if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_VERSIONS:
+                    shutil.rmtree(old, ignore_errors=True)
+
+    async def _load(self, source: WeightSource, version: int) -> None:
+        """Load ``source`` as ``version`` on every engine; a restarted server starts from it (disk only: under
+        the distributed method a restarted server serves its start weights until the next push, and the
+        staleness bound drops what it generates before then)."""
         if source.path is not None:
             self.latest = (Path(source.path), int(version))
         if self.weight_sync is not None and source.state_dict is not None:
@@ -286,6 +390,11 @@ class Fleet:
     # ------------------------------------------------------------------ shutdown
 
     async def close(self) -> None:
+        """Cancel a push in flight, stop the watchdog, leave the weight-update group, stop started servers."""
+        if self._push is not None:
+            if not self._push.done():
+                self._push.cancel()
+            await asyncio.gather(self._push, return_exceptions=True)
         await self.stop_watchdog()
         if self._sync is not None:
             with contextlib.suppress(Exception):

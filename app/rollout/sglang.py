@@ -9,7 +9,7 @@ What it sends (token ids in, token ids out; no text):
   SGLang rejects unknown ``sampling_params`` keys with 400, so only those keys are ever sent. EOS needs no
   entry: SGLang stops on it unless ``ignore_eos``.
 - ``POST /update_weights_from_disk {"model_path", "weight_version"}`` to every server at once.
-- ``GET /health``, ``GET /model_info``, ``POST /flush_cache``, ``POST /pause_generation {"mode"}``,
+- ``GET /health``, ``GET /model_info``, ``GET /server_info``, ``POST /flush_cache``, ``POST /pause_generation {"mode"}``,
   ``POST /continue_generation``.
 
 How it reads a ``/generate`` answer: a flat, prompt-major list of ``len(prompts) * n`` items
@@ -37,10 +37,12 @@ is never retried: ``RolloutRequestError`` carrying the server's message. Concurr
 (``max_concurrency`` requests in flight each); requests go round-robin over the servers, continuing across
 calls.
 
-Weights over a process group (NCCL/gloo): ``init_weights_update_group``, ``update_weights_from_distributed``
-(inside ``/begin_weight_update`` ... ``/end_weight_update``, as 0.5.23 requires) and
-``destroy_weights_update_group`` are the HTTP half; the broadcasts are trainer/weights.py and
-app/rollout/weight_sync.py runs both together. These requests are never retried.
+Weights over a process group (NCCL/gloo, ``rollout.sglang.weight_sync.method=distributed``): the requests
+(/init_weights_update_group, /update_weights_from_distributed inside /begin_weight_update ...
+/end_weight_update, /destroy_weights_update_group) and the broadcasts that pair with them live together in
+app/rollout/weight_sync.py, which sends them through this client's ``post_once`` (never retried) and
+``server_info``. This module imports nothing of it: ``WeightSyncConfig``, the section's settings, is defined
+here with the rest of ``rollout.sglang``.
 
 Not covered here: starting servers (``connect`` only attaches to running ones and waits for their health;
 app/rollout/sglang_server.py starts real SGLang servers) and streaming.
@@ -49,18 +51,16 @@ app/rollout/sglang_server.py starts real SGLang servers) and streaming.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
+import torch
 
 from app.rollout.base import Completion, SamplingParams, WeightSource
 from app.rollout.sglang_server import SGLangLaunchConfig
-from app.rollout.weight_sync import WeightSyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,49 @@ class RolloutRequestError(SGLangError):
 
 class RolloutResponseError(SGLangError):
     """A server answered 2xx with a body that does not fit SGLang's documented shape."""
+
+
+@dataclass
+class WeightSyncConfig:
+    """How new policy weights reach the SGLang servers (config section ``rollout.sglang.weight_sync``)."""
+
+    method: Literal["disk", "distributed"] = "disk"
+    """disk: save a checkpoint and POST /update_weights_from_disk (servers must see the file system).
+    distributed: broadcast the tensors over a process group (app/rollout/weight_sync.py)."""
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Process-group backend of the distributed method: nccl (GPU trainer and servers), gloo (CPU), auto =
+    nccl when the trainer process has CUDA, else gloo."""
+    master_address: str = "127.0.0.1"
+    """Address of the trainer as the servers see it (they connect to the group's store there)."""
+    master_port: int = 0
+    """Port of the group's store on the trainer; 0 = a free port."""
+    bucket_mb: float = 1024.0
+    """Largest bucket in MiB: one request and one broadcast each. Above the model's size (in the sent dtype)
+    a push is atomic with respect to generation (see the module docstring)."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Cast floating-point weights to this dtype before sending (e.g. bfloat16 for bf16 servers: half the
+    bytes); None sends them as they are. The servers convert to their own dtype either way. The cast is the
+    fleet's gather (`app.rollout.joint.gather_weights`); `DistributedWeightSync.push` sends what it is given."""
+    timeout_s: float = 600.0
+    """Time limit of forming the group and of each broadcast (also covers waiting for in-flight requests)."""
+
+    def __post_init__(self) -> None:
+        key = "rollout.sglang.weight_sync"
+        if not self.master_address:
+            raise ValueError(
+                f"{key}.master_address is empty: give the trainer's address as the servers see it"
+            )
+        if not 0 <= self.master_port <= 65535:
+            raise ValueError(f"{key}.master_port={self.master_port} must be 0 (a free port) or in 1..65535")
+        if not self.bucket_mb > 0:
+            raise ValueError(f"{key}.bucket_mb must be > 0 MiB, got {self.bucket_mb}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"{key}.timeout_s must be > 0 seconds, got {self.timeout_s}")
+
+    def resolved_backend(self) -> Literal["nccl", "gloo"]:
+        if self.backend == "auto":
+            return "nccl" if torch.cuda.is_available() else "gloo"
+        return self.backend
 
 
 @dataclass
@@ -358,7 +401,7 @@ class SGLangClient:
         except RolloutRequestError as exc:
             if "cache was not flushed" not in str(exc):
                 raise
-            await self._finish_unflushed_update(url, body["weight_version"])
+            await self.finish_unflushed_update(url, body["weight_version"])
             return
         if not (isinstance(answer, dict) and answer.get("success") is True):
             message = answer.get("message") if isinstance(answer, dict) else answer
@@ -425,6 +468,14 @@ class SGLangClient:
             raise RolloutResponseError(f"{target}: /model_info answered {answer!r}, not a JSON object")
         return answer
 
+    async def server_info(self, url: str | None = None) -> dict:
+        """GET /server_info of one server (the first by default): tp_size and the rest of its launch settings."""
+        target = self.urls[0] if url is None else url.rstrip("/")
+        _, answer = await self._call("GET", "/server_info", None, what="GET /server_info", servers=[target])
+        if not isinstance(answer, dict):
+            raise RolloutResponseError(f"{target}: /server_info answered {answer!r}, not a JSON object")
+        return answer
+
     async def flush_cache(self) -> None:
         """Drop every server's prefix (radix) cache; SGLang refuses (4xx) while requests are running."""
         await self._on_every_server("POST", "/flush_cache", None)
@@ -444,174 +495,10 @@ class SGLangClient:
             *(self._call(method, path, body, what=f"{method} {path}", servers=[url]) for url in self.urls)
         )
 
-    # ---------------------------------------------------------------- weights over a process group
-    # The HTTP half of SGLang's /update_weights_from_distributed path (NCCL between GPUs, gloo on CPU). The
-    # trainer half (rank 0 of the group, the broadcasts) is trainer/weights.py; app/rollout/weight_sync.py runs
-    # the two together. In SGLang 0.5.23 an update must sit between /begin_weight_update and
-    # /end_weight_update, else 400. None of these requests is retried: each pairs with collectives on the
-    # trainer side, and a repeated request would wait for broadcasts that never come.
+    # ---------------------------------------------------------------- what both weight-update paths use
+    # Updates from disk (above) and the distributed method (app/rollout/weight_sync.py).
 
-    async def tp_sizes(self) -> list[int]:
-        """Tensor-parallel size of every server (GET /server_info ``tp_size``), in ``urls`` order."""
-
-        async def one(url: str) -> int:
-            _, info = await self._call("GET", "/server_info", None, what="GET /server_info", servers=[url])
-            size = info.get("tp_size", 1) if isinstance(info, dict) else None
-            if not isinstance(size, int) or size < 1:
-                raise RolloutResponseError(f"{url}: /server_info has no valid tp_size ({size!r})")
-            return size
-
-        return list(await asyncio.gather(*(one(url) for url in self.urls)))
-
-    async def init_weights_update_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        world_size: int,
-        rank_offsets: list[int],
-        group_name: str = "weight_update_group",
-        backend: Literal["nccl", "gloo"] = "nccl",
-    ) -> None:
-        """Make every server join the weight-update group; server i's TP ranks become ``rank_offsets[i] + tp_rank``.
-
-        Each request returns only once the whole group has formed, so rank 0 (the trainer,
-        `trainer.weights.WeightUpdateGroup.connect`) must join concurrently. A group name can be used once per
-        server: destroy it before re-using it.
-        """
-        if len(rank_offsets) != len(self.urls):
-            raise ValueError(f"rank_offsets has {len(rank_offsets)} entries for {len(self.urls)} servers")
-        await asyncio.gather(
-            *(
-                self._weight_call(
-                    url,
-                    "/init_weights_update_group",
-                    {
-                        "master_address": master_address,
-                        "master_port": int(master_port),
-                        "rank_offset": int(offset),
-                        "world_size": int(world_size),
-                        "group_name": group_name,
-                        "backend": backend,
-                    },
-                    what=f"/init_weights_update_group (group {group_name}, rank_offset {offset}, {backend})",
-                )
-                for url, offset in zip(self.urls, rank_offsets, strict=True)
-            )
-        )
-
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """Make every server leave (and free) the weight-update group ``group_name``."""
-        await asyncio.gather(
-            *(
-                self._weight_call(
-                    url,
-                    "/destroy_weights_update_group",
-                    {"group_name": group_name},
-                    what=f"/destroy_weights_update_group (group {group_name})",
-                )
-                for url in self.urls
-            )
-        )
-
-    async def begin_weight_update(self) -> None:
-        """Open a weight-update session on every server (SGLang refuses a second open one)."""
-        await asyncio.gather(
-            *(
-                self._weight_call(url, "/begin_weight_update", {}, what="/begin_weight_update")
-                for url in self.urls
-            )
-        )
-
-    async def end_weight_update(self) -> None:
-        """Close the weight-update session on every server (the new weights are then served)."""
-        await asyncio.gather(
-            *(
-                self._weight_call(url, "/end_weight_update", {}, what="/end_weight_update")
-                for url in self.urls
-            )
-        )
-
-    @contextlib.asynccontextmanager
-    async def weight_update_session(self) -> AsyncIterator[None]:
-        """``begin_weight_update`` on entry, ``end_weight_update`` on exit (also after an error)."""
-        await self.begin_weight_update()
-        try:
-            yield
-        except BaseException:
-            with contextlib.suppress(SGLangError):  # keep the first error; the session must not stay open
-                await self.end_weight_update()
-            raise
-        await self.end_weight_update()
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        version: int | None,
-        *,
-        load_format: str | None = None,
-        flush_cache: bool = True,
-        abort_all_requests: bool = False,
-        session: bool = True,
-    ) -> None:
-        """Have every server receive ``names`` (broadcast by rank 0 of ``group_name``, in this order) and load them.
-
-        ``version`` tags the new weights ``str(version)`` (None keeps the tag: the earlier buckets of a
-        multi-bucket push). ``load_format="flattened_bucket"``: the tensors arrive as one flattened uint8 tensor
-        (`trainer.weights.flatten_bucket`); None: one broadcast per tensor. ``session=True`` wraps the request
-        in /begin_weight_update and /end_weight_update; pass False inside ``weight_update_session()``.
-
-        The call returns when every server has loaded the tensors; the broadcasts must run concurrently. Like
-        /update_weights_from_disk it waits for in-flight requests unless ``abort_all_requests`` (or the engine
-        is paused).
-        """
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
-            raise ValueError(
-                f"names, dtypes and shapes must be non-empty and of one length, got {len(names)}, {len(dtypes)}, "
-                f"{len(shapes)}"
-            )
-        body: dict[str, Any] = {
-            "names": list(names),
-            "dtypes": list(dtypes),
-            "shapes": [list(shape) for shape in shapes],
-            "group_name": group_name,
-            "flush_cache": flush_cache,
-            "abort_all_requests": abort_all_requests,
-        }
-        if version is not None:
-            body["weight_version"] = str(int(version))
-        if load_format is not None:
-            body["load_format"] = load_format
-        what = (
-            f"/update_weights_from_distributed ({len(names)} tensors, group {group_name}"
-            f"{', weight_version=' + body['weight_version'] if version is not None else ''})"
-        )
-
-        async def one(url: str) -> None:
-            try:
-                await self._weight_call(url, "/update_weights_from_distributed", body, what=what)
-            except RolloutRequestError as exc:
-                # As for updates from disk: loaded, but the radix cache could not be flushed (requests running,
-                # e.g. after abort_all_requests); SGLang then skips the version label too. Finish both.
-                if "cache was not flushed" not in str(exc):
-                    raise
-                await self._finish_unflushed_update(url, body.get("weight_version"))
-
-        async def update() -> None:
-            await asyncio.gather(*(one(url) for url in self.urls))
-
-        if session:
-            async with self.weight_update_session():
-                await update()
-        else:
-            await update()
-        if version is not None:
-            self.policy_version = int(version)
-
-    async def _finish_unflushed_update(self, url: str, version: str | None) -> None:
+    async def finish_unflushed_update(self, url: str, version: str | None) -> None:
         """Complete an update SGLang applied but answered 400 "the cache was not flushed".
 
         SGLang 0.5.23 loads the weights under its model-update lock, then flushes the radix cache; the flush is
@@ -628,23 +515,26 @@ class SGLangClient:
             url,
             version,
         )
-        await self._weight_call(
+        await self.post_once(
             url, "/pause_generation", {"mode": "retract"}, what="/pause_generation (retract)"
         )
         try:
-            await self._weight_call(url, "/flush_cache", None, what="/flush_cache after a weight update")
+            await self.post_once(url, "/flush_cache", None, what="/flush_cache after a weight update")
             if version is not None:
-                await self._weight_call(
+                await self.post_once(
                     url,
                     "/update_weight_version",
                     {"new_version": version, "abort_all_requests": False},
                     what="/update_weight_version after a weight update",
                 )
         finally:
-            await self._weight_call(url, "/continue_generation", {}, what="/continue_generation")
+            await self.post_once(url, "/continue_generation", {}, what="/continue_generation")
 
-    async def _weight_call(self, url: str, path: str, body: dict | None, *, what: str) -> Any:
-        """One POST to one server, never retried; 4xx or ``success: false`` raise RolloutRequestError."""
+    async def post_once(self, url: str, path: str, body: dict | None, *, what: str) -> Any:
+        """One POST to one server, never retried; 4xx or ``success: false`` raise RolloutRequestError.
+
+        For requests that must not be repeated: a weight-update request pairs with collectives on the trainer
+        side (app/rollout/weight_sync.py), and a repeated one would wait for broadcasts that never come."""
         _, answer = await self._call("POST", path, body, what=what, servers=[url], max_retries=0)
         if isinstance(answer, dict) and answer.get("success") is False:
             raise RolloutRequestError(f"{url}: {what} failed: {answer.get('message')!r}")

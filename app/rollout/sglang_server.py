@@ -6,15 +6,15 @@ their URLs go to the SGLang client (app/rollout/sglang.py) like any other SGLang
 ``cfg.python``: SGLang pins its own torch and transformers, so it lives in its own environment (on CPU, the one
 tests/sglang/cpu_env/build.sh builds; on GPU, any environment with ``pip install sglang``).
 
-Each server:
+Each server is a `ServerProcess` (app/rollout/process.py, shared with the built-in CPU server):
 - starts with ``--weight-version <policy version of the weights it loads>``, so that the client maps the label
   to that version (numeric labels map by ``int()``; see SGLangClient's docstring);
 - writes stdout and stderr to its own log file (appended across restarts);
-- dies with the parent (PR_SET_PDEATHSIG, as the built-in server in launcher.py) and gets SIGTERM, then SIGKILL
-  after a grace period, from ``stop()``. SGLang's launcher spawns a scheduler and a detokenizer process which
-  exit when it does; the server is started in a process group of its own and the whole group is signalled.
-  PR_SET_PDEATHSIG fires when the *thread* that started the server ends: call ``start()`` from the main thread
-  (or one that lives as long as the server), never from a short-lived worker such as ``asyncio.to_thread``;
+- dies with the parent (PR_SET_PDEATHSIG) and gets SIGTERM, then SIGKILL after a grace period, from ``stop()``.
+  SGLang's launcher spawns a scheduler and a detokenizer process which exit when it does; the server is started
+  in a process group of its own and the whole group is signalled. PR_SET_PDEATHSIG fires when the *thread* that
+  started the server ends: call ``start()`` from the main thread (or one that lives as long as the server),
+  never from a short-lived worker such as ``asyncio.to_thread``;
 - can be restarted on the same port by calling ``start()`` again (e.g. after ``exited()`` reports a crash),
   optionally from newer weights (``start(model_dir=..., weight_version=...)``).
 
@@ -30,26 +30,14 @@ router (start ``sglang_router.launch_router`` over the URLs yourself).
 
 from __future__ import annotations
 
-import os
-import shlex
-import signal
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
-from app.rollout.launcher import _die_with_parent, free_port
-
-_TRAINER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")  # fmt: skip
-"""torchrun's variables: a server is not part of the trainer's process group, and SGLang's tcp:// rendezvous
-would use the torchelastic agent store if TORCHELASTIC_USE_AGENT_STORE leaked into it."""
-_LOG_TAIL_BYTES = 4000
+from app.rollout.process import ServerProcess, ServerStartError, free_port
 
 
-class SGLangLaunchError(RuntimeError):
+class SGLangLaunchError(ServerStartError):
     """A server process exited during start-up, or did not become healthy in time (the log tail is attached)."""
 
 
@@ -155,8 +143,8 @@ class SGLangLaunchConfig:
         return self.max_total_tokens
 
 
-class SGLangServerProcess:
-    """One ``python -m sglang.launch_server`` child serving ``model_dir`` (interface of LocalServerProcess).
+class SGLangServerProcess(ServerProcess):
+    """One ``python -m sglang.launch_server`` child serving ``model_dir`` (a `ServerProcess`, app/rollout/process.py).
 
     Args:
         model_dir: Hugging Face model directory (config.json + safetensors) to load at start.
@@ -166,6 +154,8 @@ class SGLangServerProcess:
         weight_version: the policy version of the weights in ``model_dir`` (``--weight-version``).
         port: fixed port; 0 = ``cfg.base_port + index``, or a free port when ``cfg.base_port`` is 0.
     """
+
+    start_error = SGLangLaunchError
 
     def __init__(
         self,
@@ -177,20 +167,38 @@ class SGLangServerProcess:
         weight_version: int | str = 0,
         port: int = 0,
     ) -> None:
-        self.model_dir, self.cfg, self.index = Path(model_dir), cfg, index
-        self.log_path = Path(log_path)
-        self.weight_version = str(weight_version)
-        self.port = port or (cfg.base_port + index if cfg.base_port else free_port())
-        self.url = f"http://{_url_host(cfg.host)}:{self.port}"
-        self.process: subprocess.Popen | None = None
-        self._log_offset = 0
+        self.cfg, self.index = cfg, index
+        env: dict[str, str] = {}
+        env_defaults = {"TOKENIZERS_PARALLELISM": "false"}
+        if cfg.cpu:
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+            env_defaults["OMP_NUM_THREADS"] = "1"  # one torch thread per process unless told otherwise
+        elif cfg.gpu_ids:
+            tp = cfg.tp_size
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpu_ids[index * tp : (index + 1) * tp])
+        port = port or (cfg.base_port + index if cfg.base_port else free_port())
+        super().__init__(
+            self._argv,
+            model_dir=model_dir,
+            port=port,
+            log_path=log_path,
+            weight_version=weight_version,
+            url_host=_url_host(cfg.host),
+            env=env,
+            env_defaults=env_defaults,
+            own_group=True,
+            name=f"SGLang server (index {index}) at",
+            startup_timeout_s=cfg.startup_timeout_s,
+            startup_timeout_key="rollout.sglang.launch.startup_timeout_s",
+            stop_timeout_s=15.0,
+        )
 
-    def command(self) -> list[str]:
+    def _argv(self, model_dir: Path, weight_version: str) -> list[str]:
         """The argv of ``sglang.launch_server`` for this server."""
         cfg = self.cfg
-        args = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(self.model_dir),
+        args = [cfg.python, "-m", "sglang.launch_server", "--model-path", str(model_dir),
                 "--host", cfg.host, "--port", str(self.port), "--tp-size", str(cfg.tp_size),
-                "--weight-version", self.weight_version, "--dtype", cfg.dtype]  # fmt: skip
+                "--weight-version", weight_version, "--dtype", cfg.dtype]  # fmt: skip
         if cfg.cpu:
             args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         elif not cfg.gpu_ids:
@@ -205,118 +213,11 @@ class SGLangServerProcess:
             args += ["--random-seed", str(cfg.random_seed + self.index)]
         return args + list(cfg.extra_args)
 
-    def environment(self) -> dict[str, str]:
-        """The server's environment: the parent's, without torchrun's variables, plus the CPU/GPU switches."""
-        env = {k: v for k, v in os.environ.items() if k not in _TRAINER_ENV}
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        if self.cfg.cpu:
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-            env.setdefault("OMP_NUM_THREADS", "1")  # one torch thread per process unless told otherwise
-        elif self.cfg.gpu_ids:
-            tp = self.cfg.tp_size
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                str(g) for g in self.cfg.gpu_ids[self.index * tp : (self.index + 1) * tp]
-            )
-        return env
-
-    def start(self, *, model_dir: str | Path | None = None, weight_version: int | str | None = None) -> str:
-        """Start the server (again, on the same port, after a crash or ``stop()``); returns its URL at once.
-
-        ``model_dir`` / ``weight_version`` replace the ones given at construction (restart from newer weights).
-        Use ``wait_ready()`` (or the client's ``wait_healthy``) before sending requests.
-        """
-        if self.process is not None and self.process.poll() is None:
-            raise RuntimeError(f"SGLang server {self.url} is already running (pid {self.process.pid})")
-        if self.process is not None:
-            # A crashed launcher may leave its scheduler/detokenizer behind (holding memory): end them first.
-            _signal_group(self.process, signal.SIGKILL)
-        if model_dir is not None:
-            self.model_dir = Path(model_dir)
-        if weight_version is not None:
-            self.weight_version = str(weight_version)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
-        command = self.command()
-        with open(self.log_path, "ab") as log:
-            log.write(f"[trustbatch] starting: {shlex.join(command)}\n".encode())
-            log.flush()
-            try:
-                self.process = subprocess.Popen(
-                    command,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env=self.environment(),
-                    preexec_fn=_start_group_dying_with_parent,
-                )
-            except FileNotFoundError as err:
-                raise SGLangLaunchError(
-                    f"rollout.sglang.launch.python={self.cfg.python!r} was not found ({err}); point it at the "
-                    "interpreter of the SGLang environment, e.g. .venv-sglang/bin/python (`make sglang-env`)"
-                ) from err
-        return self.url
-
-    def kill(self) -> None:
-        """SIGKILL the whole server (launcher, scheduler, detokenizer): a hung server ignores SIGTERM."""
-        if self.process is not None:
-            _signal_group(self.process, signal.SIGKILL)
-            self.process.wait()
-
-    def exited(self) -> int | None:
-        """The exit code once the server process has ended, else None (also None before the first start)."""
-        return None if self.process is None else self.process.poll()
-
-    def wait_ready(self, timeout_s: float | None = None, *, poll_s: float = 0.5) -> None:
-        """Block until GET /health answers 200; SGLangLaunchError if the process exits or time runs out."""
-        if self.process is None:
-            raise RuntimeError("start() the server before waiting for it")
-        limit = self.cfg.startup_timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
-        last = "no answer yet"
-        with httpx.Client(trust_env=False, timeout=5.0) as http:
-            while True:
-                code = self.exited()
-                if code is not None:
-                    raise SGLangLaunchError(
-                        f"SGLang server {self.url} (index {self.index}) exited with code {code} during start-up; "
-                        f"log {self.log_path}:\n{self.log_tail()}"
-                    )
-                try:
-                    response = http.get(self.url + "/health")
-                    if response.status_code == 200:
-                        return
-                    last = f"HTTP {response.status_code}"
-                except httpx.HTTPError as exc:
-                    last = f"{type(exc).__name__}"
-                if time.monotonic() >= deadline:
-                    raise SGLangLaunchError(
-                        f"SGLang server {self.url} (index {self.index}) not healthy after {limit:g} s "
-                        f"(rollout.sglang.launch.startup_timeout_s; last: {last}); log {self.log_path}:\n"
-                        f"{self.log_tail()}"
-                    )
-                time.sleep(poll_s)
-
-    def log_tail(self, max_bytes: int = _LOG_TAIL_BYTES) -> str:
-        """The end of what this start wrote to the log."""
-        try:
-            with open(self.log_path, "rb") as log:
-                log.seek(max(self._log_offset, log.seek(0, os.SEEK_END) - max_bytes))
-                return log.read().decode(errors="replace")
-        except OSError as err:
-            return f"(log unreadable: {err})"
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, SIGKILL it after ``timeout_s``; a no-op if it is not running."""
-        if self.process is None or self.process.poll() is not None:
-            return
-        _signal_group(self.process, signal.SIGTERM)
-        try:
-            self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            _signal_group(self.process, signal.SIGKILL)
-            self.process.wait()
-        # The launcher is gone; its scheduler/detokenizer children must not linger: end the group for good.
-        _signal_group(self.process, signal.SIGKILL)
+    def not_found_message(self, command: list[str], err: OSError) -> str:
+        return (
+            f"rollout.sglang.launch.python={self.cfg.python!r} was not found ({err}); point it at the "
+            "interpreter of the SGLang environment, e.g. .venv-sglang/bin/python (`make sglang-env`)"
+        )
 
 
 def launch_servers(
@@ -360,18 +261,6 @@ def launch_servers(
             server.stop()
         raise
     return servers
-
-
-def _start_group_dying_with_parent() -> None:
-    os.setsid()  # own process group: stop() reaches the scheduler and detokenizer children too
-    _die_with_parent()
-
-
-def _signal_group(process: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(process.pid, sig)  # the group id is the server's pid (setsid)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _url_host(host: str) -> str:

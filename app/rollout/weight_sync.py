@@ -1,11 +1,13 @@
-"""Push the trainer's weights to every SGLang server over one process group (NCCL on GPU, gloo on CPU).
+"""The distributed method: push the trainer's weights to every SGLang server over one process group.
 
-The alternative to ``SGLangClient.update_weights`` (save a checkpoint, POST /update_weights_from_disk): the
-tensors go straight from trainer memory to the servers, with no file system in between. Both halves run here
-together: the HTTP requests (app/rollout/sglang.py) and the broadcasts from rank 0 (trainer/weights.py).
+The alternative to updates from disk (save a checkpoint, POST /update_weights_from_disk): the tensors go straight
+from trainer memory to the servers (NCCL on GPU, gloo on CPU), with no file system in between. Both halves live
+here: the HTTP requests, sent through the client's ``post_once`` (never retried: each pairs with collectives on
+the trainer side, and a repeated request would wait for broadcasts that never come), and the broadcasts from
+rank 0 (`WeightUpdateGroup`, from trainer/weights.py through app/rollout/joint.py).
 
     sync = await DistributedWeightSync.connect(client, WeightSyncConfig(backend="gloo"))
-    await sync.push(state_dict_for_sync(model), version=3)       # every server now serves version "3"
+    await sync.push(gather_weights(model, dtype=cfg.dtype), version=3)   # every server now serves version "3"
     await sync.close()
 
 One group spans the trainer (rank 0) and every TP rank of every server: server i joins at rank offset
@@ -13,10 +15,12 @@ One group spans the trainer (rank 0) and every TP rank of every server: server i
 a push costs the same for one server or eight. The group gets a fresh name per connection (SGLang refuses to
 re-initialise a name it holds).
 
-A push: /begin_weight_update on every server; then per bucket (`trainer.weights.plan_buckets`: at most
-``bucket_mb`` of one dtype, in state-dict order) one /update_weights_from_distributed request with
-``load_format: "flattened_bucket"`` running concurrently with one broadcast of the flattened bucket; then
-/end_weight_update. Only the last bucket carries ``weight_version`` and flushes the prefix cache.
+A push: /begin_weight_update on every server (SGLang 0.5.23 refuses an update outside such a session); then per
+bucket (`plan_buckets`: at most ``bucket_mb`` of one dtype, in state-dict order) one
+/update_weights_from_distributed request with ``load_format: "flattened_bucket"`` running concurrently with one
+broadcast of the flattened bucket; then /end_weight_update. Only the last bucket carries ``weight_version`` and
+flushes the prefix cache. The tensors are sent as given: the dtype cast (``WeightSyncConfig.dtype``) is the
+gather's (`app.rollout.joint.gather_weights`), done once.
 
 Consistency with generation: each update request takes SGLang's writer lock, so it waits for the requests in
 flight (they finish on the old weights) and holds back new ones. With one bucket (the default ``bucket_mb``
@@ -29,71 +33,36 @@ Failures: a request that fails stops the push at once with the server's message;
 then be left waiting for ranks that never come (until ``timeout_s``), so the sync is marked broken and every
 later push raises until ``close()`` and a new ``connect()`` (or a server restart, which also leaves the group).
 
-In a torchrun job only the trainer's global rank 0 connects and pushes; every rank calls
-`trainer.weights.state_dict_for_sync` (a collective for FSDP2 models), which gives rank 0 the full state dict.
+In a torchrun job each trainer rank that feeds servers of its own forms a group with them and pushes the state
+dict it gathered (`gather_weights`, a collective for FSDP2 models that every rank calls).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-import torch
 from torch import Tensor
 
-from trainer.weights import WeightUpdateGroup, plan_buckets, tensor_specs
+from app.rollout.joint import WeightUpdateGroup, plan_buckets, tensor_specs
+from app.rollout.sglang import (
+    RolloutRequestError,
+    RolloutResponseError,
+    SGLangClient,
+    SGLangError,
+    WeightSyncConfig,
+)
 
-if TYPE_CHECKING:  # a type only: app/rollout/sglang.py may import WeightSyncConfig from here without a cycle
-    from app.rollout.sglang import SGLangClient
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class WeightSyncConfig:
-    """How new policy weights reach the SGLang servers (config section ``rollout.sglang.weight_sync``)."""
-
-    method: Literal["disk", "distributed"] = "disk"
-    """disk: save a checkpoint and POST /update_weights_from_disk (servers must see the file system).
-    distributed: broadcast the tensors over a process group (this module)."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Process-group backend of the distributed method: nccl (GPU trainer and servers), gloo (CPU), auto =
-    nccl when the trainer process has CUDA, else gloo."""
-    master_address: str = "127.0.0.1"
-    """Address of the trainer as the servers see it (they connect to the group's store there)."""
-    master_port: int = 0
-    """Port of the group's store on the trainer; 0 = a free port."""
-    bucket_mb: float = 1024.0
-    """Largest bucket in MiB: one request and one broadcast each. Above the model's size (in the sent dtype)
-    a push is atomic with respect to generation (see the module docstring)."""
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Cast floating-point weights to this dtype before sending (e.g. bfloat16 for bf16 servers: half the
-    bytes); None sends them as they are. The servers convert to their own dtype either way."""
-    timeout_s: float = 600.0
-    """Time limit of forming the group and of each broadcast (also covers waiting for in-flight requests)."""
-
-    def __post_init__(self) -> None:
-        key = "rollout.sglang.weight_sync"
-        if not self.master_address:
-            raise ValueError(
-                f"{key}.master_address is empty: give the trainer's address as the servers see it"
-            )
-        if not 0 <= self.master_port <= 65535:
-            raise ValueError(f"{key}.master_port={self.master_port} must be 0 (a free port) or in 1..65535")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"{key}.bucket_mb must be > 0 MiB, got {self.bucket_mb}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"{key}.timeout_s must be > 0 seconds, got {self.timeout_s}")
-
-    def resolved_backend(self) -> Literal["nccl", "gloo"]:
-        if self.backend == "auto":
-            return "nccl" if torch.cuda.is_available() else "gloo"
-        return self.backend
+__all__ = [
+    "DistributedWeightSync", "PushStats", "WeightSyncConfig", "WeightSyncError", "destroy_weights_update_group",
+    "init_weights_update_group", "tp_sizes", "update_weights_from_distributed", "weight_update_session",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -128,11 +97,11 @@ class DistributedWeightSync:
     ) -> DistributedWeightSync:
         """Form the group: host its store here, have every server join, join as rank 0 (concurrently)."""
         cfg = cfg or WeightSyncConfig(method="distributed")
-        tp_sizes = await client.tp_sizes()
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(tp_sizes))]
+        sizes = await tp_sizes(client)
+        offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
         backend = cfg.resolved_backend()
         group = WeightUpdateGroup(
-            world_size=1 + sum(tp_sizes),
+            world_size=1 + sum(sizes),
             group_name=f"trustbatch-{uuid.uuid4().hex[:12]}",
             backend=backend,
             master_address=cfg.master_address,
@@ -141,7 +110,8 @@ class DistributedWeightSync:
         )
         joined = _in_daemon_thread(group.connect)
         try:
-            await client.init_weights_update_group(
+            await init_weights_update_group(
+                client,
                 master_address=cfg.master_address,
                 master_port=group.master_port,
                 world_size=group.world_size,
@@ -158,26 +128,27 @@ class DistributedWeightSync:
         return cls(client, group, cfg)
 
     async def push(self, state_dict: Mapping[str, Tensor], version: int) -> PushStats:
-        """Send every tensor of ``state_dict`` to every server; they then serve it as ``weight_version`` = version."""
+        """Send every tensor of ``state_dict`` (as it is: cast it when gathering) to every server; they then serve
+        it as ``weight_version`` = version."""
         if self.broken is not None:
             raise WeightSyncError(
                 f"the weight-update group {self.group.group_name} is unusable ({self.broken}); close() this sync "
                 "and connect again (restart the servers if they are stuck)"
             )
         if not state_dict:
-            raise ValueError("state_dict is empty: nothing to push (on torchrun ranks > 0, do not push)")
+            raise ValueError(
+                "state_dict is empty: nothing to push (a rank-0-only gather leaves the other ranks {}: gather on "
+                "every rank with app.rollout.joint.gather_weights, or push from rank 0 only)"
+            )
         start = time.perf_counter()
-        cast = _DTYPES[self.cfg.dtype] if self.cfg.dtype else None
-        tensors = {
-            name: t.to(cast) if cast is not None and t.is_floating_point() else t
-            for name, t in state_dict.items()
-        }
+        tensors = dict(state_dict)
         buckets = plan_buckets(tensors, int(self.cfg.bucket_mb * 2**20))
-        async with self.client.weight_update_session():
+        async with weight_update_session(self.client):
             for i, bucket in enumerate(buckets):
                 last = i == len(buckets) - 1
                 names, dtypes, shapes = tensor_specs(bucket)
-                request = self.client.update_weights_from_distributed(
+                request = update_weights_from_distributed(
+                    self.client,
                     names,
                     dtypes,
                     shapes,
@@ -215,10 +186,159 @@ class DistributedWeightSync:
     async def close(self) -> None:
         """Leave the group on every server and tear it down here (best effort once broken)."""
         try:
-            await self.client.destroy_weights_update_group(self.group.group_name)
+            await destroy_weights_update_group(self.client, self.group.group_name)
         finally:
             if self.broken is None:
                 self.group.destroy()
+
+
+# ---------------------------------------------------------------------------------------------- the HTTP half
+# SGLang 0.5.23's /update_weights_from_distributed path, one request kind a function, to every server of the
+# client at once. None is retried (the module docstring).
+
+
+async def tp_sizes(client: SGLangClient) -> list[int]:
+    """Tensor-parallel size of every server (GET /server_info ``tp_size``), in ``client.urls`` order."""
+
+    async def one(url: str) -> int:
+        size = (await client.server_info(url)).get("tp_size", 1)
+        if not isinstance(size, int) or size < 1:
+            raise RolloutResponseError(f"{url}: /server_info has no valid tp_size ({size!r})")
+        return size
+
+    return list(await asyncio.gather(*(one(url) for url in client.urls)))
+
+
+async def init_weights_update_group(
+    client: SGLangClient,
+    *,
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    rank_offsets: list[int],
+    group_name: str = "weight_update_group",
+    backend: Literal["nccl", "gloo"] = "nccl",
+) -> None:
+    """Make every server join the weight-update group; server i's TP ranks become ``rank_offsets[i] + tp_rank``.
+
+    Each request returns only once the whole group has formed, so rank 0 (the trainer,
+    `WeightUpdateGroup.connect`) must join concurrently. A group name can be used once per server: destroy it
+    before re-using it.
+    """
+    if len(rank_offsets) != len(client.urls):
+        raise ValueError(f"rank_offsets has {len(rank_offsets)} entries for {len(client.urls)} servers")
+    await asyncio.gather(
+        *(
+            client.post_once(
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": master_address,
+                    "master_port": int(master_port),
+                    "rank_offset": int(offset),
+                    "world_size": int(world_size),
+                    "group_name": group_name,
+                    "backend": backend,
+                },
+                what=f"/init_weights_update_group (group {group_name}, rank_offset {offset}, {backend})",
+            )
+            for url, offset in zip(client.urls, rank_offsets, strict=True)
+        )
+    )
+
+
+async def destroy_weights_update_group(client: SGLangClient, group_name: str = "weight_update_group") -> None:
+    """Make every server leave (and free) the weight-update group ``group_name``."""
+    await _on_every_server(
+        client, "/destroy_weights_update_group", {"group_name": group_name},
+        f"/destroy_weights_update_group (group {group_name})",
+    )  # fmt: skip
+
+
+@contextlib.asynccontextmanager
+async def weight_update_session(client: SGLangClient) -> AsyncIterator[None]:
+    """/begin_weight_update on every server on entry (SGLang refuses a second open session), and
+    /end_weight_update on exit (also after an error: the new weights are then served)."""
+    await _on_every_server(client, "/begin_weight_update", {}, "/begin_weight_update")
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(SGLangError):  # keep the first error; the session must not stay open
+            await _on_every_server(client, "/end_weight_update", {}, "/end_weight_update")
+        raise
+    await _on_every_server(client, "/end_weight_update", {}, "/end_weight_update")
+
+
+async def update_weights_from_distributed(
+    client: SGLangClient,
+    names: list[str],
+    dtypes: list[str],
+    shapes: list[list[int]],
+    group_name: str,
+    version: int | None,
+    *,
+    load_format: str | None = None,
+    flush_cache: bool = True,
+    abort_all_requests: bool = False,
+    session: bool = True,
+) -> None:
+    """Have every server receive ``names`` (broadcast by rank 0 of ``group_name``, in this order) and load them.
+
+    ``version`` tags the new weights ``str(version)`` (None keeps the tag: the earlier buckets of a multi-bucket
+    push). ``load_format="flattened_bucket"``: the tensors arrive as one flattened uint8 tensor
+    (`trainer.weights.flatten_bucket`); None: one broadcast per tensor. ``session=True`` wraps the request in
+    /begin_weight_update and /end_weight_update; pass False inside ``weight_update_session()``.
+
+    The call returns when every server has loaded the tensors; the broadcasts must run concurrently. Like
+    /update_weights_from_disk it waits for in-flight requests unless ``abort_all_requests`` (or the engine is
+    paused).
+    """
+    if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        raise ValueError(
+            f"names, dtypes and shapes must be non-empty and of one length, got {len(names)}, {len(dtypes)}, "
+            f"{len(shapes)}"
+        )
+    body: dict[str, Any] = {
+        "names": list(names),
+        "dtypes": list(dtypes),
+        "shapes": [list(shape) for shape in shapes],
+        "group_name": group_name,
+        "flush_cache": flush_cache,
+        "abort_all_requests": abort_all_requests,
+    }
+    if version is not None:
+        body["weight_version"] = str(int(version))
+    if load_format is not None:
+        body["load_format"] = load_format
+    what = (
+        f"/update_weights_from_distributed ({len(names)} tensors, group {group_name}"
+        f"{', weight_version=' + body['weight_version'] if version is not None else ''})"
+    )
+
+    async def one(url: str) -> None:
+        try:
+            await client.post_once(url, "/update_weights_from_distributed", body, what=what)
+        except RolloutRequestError as exc:
+            # As for updates from disk: loaded, but the radix cache could not be flushed (requests running,
+            # e.g. after abort_all_requests); SGLang then skips the version label too. Finish both.
+            if "cache was not flushed" not in str(exc):
+                raise
+            await client.finish_unflushed_update(url, body.get("weight_version"))
+
+    async def update() -> None:
+        await asyncio.gather(*(one(url) for url in client.urls))
+
+    if session:
+        async with weight_update_session(client):
+            await update()
+    else:
+        await update()
+    if version is not None:
+        client.policy_version = int(version)
+
+
+async def _on_every_server(client: SGLangClient, path: str, body: dict, what: str) -> None:
+    await asyncio.gather(*(client.post_once(url, path, body, what=what) for url in client.urls))
 
 
 def _in_daemon_thread(fn: Callable[[], None]) -> asyncio.Future:

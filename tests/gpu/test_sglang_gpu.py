@@ -28,12 +28,12 @@ import pytest
 import torch
 
 from app.rollout.base import SamplingParams, WeightSource
+from app.rollout.joint import gather_weights
 from app.rollout.sglang import SGLangClient, SGLangClientConfig
 from app.rollout.sglang_server import SGLangLaunchConfig, launch_servers
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig
 from tests.sglang.conftest import TINY_SHAPE
 from trainer.logprobs import token_logprobs
-from trainer.weights import state_dict_for_sync
 
 pytestmark = pytest.mark.gpu
 
@@ -140,7 +140,7 @@ def test_update_from_distributed_nccl(server, models):
     async def go(client):
         sync = await DistributedWeightSync.connect(client, cfg)
         try:
-            stats = await sync.push(state_dict_for_sync(new_model), version=7)
+            stats = await sync.push(gather_weights(new_model, dtype=cfg.dtype), version=7)
             sampled = await client.generate(PROMPTS, SAMPLED)
             info = await client.model_info()
         finally:

@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 
-from app.bootstrap import bootstrap
 from app.config import load_config
+from app.training.bootstrap import bootstrap
 
 REPO = Path(__file__).resolve().parents[2]
 

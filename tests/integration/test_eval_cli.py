@@ -9,11 +9,12 @@ values are checked by hand in tests/unit/test_pass_at_k.py.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from mlflow import MlflowClient
 
-from app.evaluate import EvalSettings, evaluate_model, pass_at_k
+from app.evaluation import EvalSettings, evaluate_model, pass_at_k
 from rewards import RewardsConfig, VerifierInput, build_verifier
 
 from .model_refs import make_registry, trustbatch
@@ -174,3 +175,46 @@ def test_eval_command_unknown_model_exits_2(registry):
 def test_default_rewards_score_math(report):
     assert [spec.name for spec in RewardsConfig().verifiers] == ["math"]  # what evaluate_model used above
     assert {row.task for row in report.rows} == {"math"}
+
+
+def test_the_built_in_server_engine_gives_the_embedded_engines_greedy_samples(tiny_model_dir):
+    # One sampling path for every engine: the same prompts through the CPU server (over HTTP) and in process.
+    greedy = EvalSettings(k=1, num_prompts=6, temperature=0.0, max_new_tokens=8)
+    embedded = evaluate_model(str(tiny_model_dir), greedy, tracking_uri="sqlite:////nonexistent/mlflow.db")
+    served = evaluate_model(
+        str(tiny_model_dir), replace(greedy, engine="local"), tracking_uri="sqlite:////nonexistent/mlflow.db"
+    )
+    assert served.texts == embedded.texts and served.correct == embedded.correct
+    assert served.settings.engine == "local"
+
+
+def _long_prompts(tmp_path):
+    """Two short prompts and one whose tokens fill the tiny model's 256-token context."""
+    prompts = tmp_path / "long.jsonl"
+    rows = [
+        {"id": "short1", "prompt": "3+4=", "answer": "7"},
+        {"id": "long", "prompt": "1+" * 200 + "1=", "answer": "201"},
+        {"id": "short2", "prompt": "6-1=", "answer": "5"},
+    ]
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return prompts
+
+
+def test_eval_command_refuses_a_prompt_too_long_for_the_context(tiny_model_dir, tmp_path):
+    out = _cli("eval", str(tiny_model_dir), "--data", str(_long_prompts(tmp_path)), "--k", "1", "--no-track")
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "1 prompt(s) longer than 255 tokens" in out.stderr
+    assert "long.jsonl: line 2: prompt has" in out.stderr
+    assert "--on-long-prompt drop" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_eval_command_drops_and_counts_long_prompts_when_asked(tiny_model_dir, tmp_path):
+    out_file = tmp_path / "out.json"
+    out = _cli(
+        "eval", str(tiny_model_dir), "--data", str(_long_prompts(tmp_path)), "--k", "2", "--max-new-tokens", "6",
+        "--on-long-prompt", "drop", "--out", str(out_file), "--no-track",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out_file.read_text())
+    assert [p["id"] for p in result["prompts"]] == ["short1", "short2"]
+    assert result["dropped_long_prompts"] == 1 and "1 too long, dropped" in out.stdout

@@ -1,7 +1,7 @@
 """Rollout servers that die or hang mid-run: the run heals itself, or stops cleanly with its checkpoints intact.
 
 Real processes throughout: the CPU rollout server (`trustbatch rollout-server`) is killed with SIGKILL or
-frozen with SIGSTOP from a watcher thread while `app.loop.run` trains in the test's own thread.
+frozen with SIGSTOP from a watcher thread while `app.training.loop.run` trains in the test's own thread.
 """
 
 import asyncio
@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM
 
-from app.loop import run
 from app.rollout.fleet import FleetDownError
-from app.rollout.launcher import LocalServerProcess
+from app.rollout.process import LocalServerProcess
 from app.rollout.sglang import SGLangClientConfig, connect
+from app.training.loop import run
 from trainer.checkpoint import COMPLETE_MARKER, list_checkpoints
 
 from .test_loop import small_config

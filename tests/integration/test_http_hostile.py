@@ -1,7 +1,7 @@
 """Hostile and malformed requests against both built-in HTTP servers, over real HTTP.
 
-`trustbatch serve` (app/serve.py, OpenAI routes) and the rollout server (app/rollout/local_server.py, SGLang's
-native routes) both serve the warm-started tiny model (`tiny_model_dir`) under uvicorn on free loopback ports.
+`trustbatch serve` (app/serving/openai.py, OpenAI routes) and the rollout server (app/serving/native.py,
+SGLang's native routes) both serve the warm-started tiny model (`tiny_model_dir`) under uvicorn on free loopback ports.
 Every malformed request must answer a 4xx JSON error, leave the keep-alive connection usable and the server
 healthy; oversized bodies answer 413; a client that hangs up mid-body logs one line; heavy work (tokenizing a
 huge prompt) must not hold up other clients.
@@ -21,8 +21,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.rollout.embedded import EmbeddedEngine
-from app.rollout.local_server import create_app
-from app.serve import build_app, create_openai_app
+from app.serving.native import create_app
+from app.serving.openai import create_openai_app
+from app.serving.server import build_app
 
 from .model_refs import ThreadServer
 
@@ -171,6 +172,24 @@ def test_rollout_server_answers_malformed_requests_with_json_errors(rollout_serv
     _assert_still_serving(rollout_server.client, response)
 
 
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity", "1e999", '"hot"', "true"])
+def test_both_apis_refuse_the_same_temperatures_with_the_same_message(serve_server, rollout_server, value):
+    # One check (app/sampling.py) behind both APIs: a value refused by one is refused by the other, in the
+    # same words, with the field named the API's way.
+    openai = _post(
+        serve_server.client, "/v1/completions", f'{{"model": "tiny", "prompt": "1=", "temperature": {value}}}'
+    )
+    native = _post(
+        rollout_server.client,
+        "/generate",
+        f'{{"input_ids": [1, 2], "sampling_params": {{"temperature": {value}}}}}',
+    )
+    assert openai.status_code == native.status_code == 400, (openai.text, native.text)
+    message = openai.json()["error"]["message"]
+    assert message.startswith("temperature must be") and openai.json()["error"]["param"] == "temperature"
+    assert native.json()["error"] == f"sampling_params.{message}"
+
+
 # ---------------------------------------------------------------------------------------------- body size
 
 
@@ -182,7 +201,7 @@ def _chunks(data: bytes, size: int = 256 * 1024):
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
 @pytest.mark.parametrize("which", ["serve", "rollout"])
 def test_an_oversized_body_gets_413_and_the_connection_survives(request, which, chunked):
-    from app.rollout.http_common import DEFAULT_MAX_BODY_BYTES
+    from app.serving.requests import DEFAULT_MAX_BODY_BYTES
 
     server = request.getfixturevalue(f"{which}_server")
     path = "/v1/completions" if which == "serve" else "/generate"

@@ -22,7 +22,7 @@ import uvicorn
 
 from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
-from app.rollout.local_server import create_app
+from app.serving.native import create_app
 from trainer.model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer, save_model
 
 from .conftest import REPO

@@ -9,7 +9,7 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
 from app.config import load_config
-from app.loop import run
+from app.training.loop import run
 
 from .conftest import REPO, TINY_DATA
 

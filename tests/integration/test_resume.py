@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from app.cli import app
 from app.config import load_config
-from app.loop import run
+from app.training.loop import run
 from trainer.checkpoint import COMPLETE_MARKER, checkpoint_problem, list_checkpoints
 
 from .conftest import REPO

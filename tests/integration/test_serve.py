@@ -1,6 +1,6 @@
 """`trustbatch serve` on CPU, spoken to with the official `openai` client over real HTTP.
 
-The server is the real app (app/serve.py) under uvicorn on a free loopback port, serving the warm-started tiny
+The server is the real app (app/serving/openai.py) under uvicorn on a free loopback port, serving the warm-started tiny
 model (`tiny_model_dir`); its answers are checked against the same model run directly through
 `EmbeddedEngine.generate_sync`. The last tests start `trustbatch serve models:/NAME@best` as a subprocess
 against a real MLflow registry, and `trustbatch serve --engine sglang` against real SGLang on its CPU platform
@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
-from app.serve import build_app, choose_engine, create_openai_app, served_name, sglang_command
+from app.serving.openai import create_openai_app
+from app.serving.server import build_app, choose_engine, served_name, sglang_command
 from trainer.model import encode_prompt
 
 from .conftest import REPO

@@ -531,7 +531,7 @@ def test_config_is_omegaconf_structured_and_validated():
 def test_against_the_builtin_cpu_server(tmp_path: Path):
     """The same client drives the built-in CPU server: outputs equal its engine's own, weight sync included."""
     from app.rollout.embedded import EmbeddedEngine
-    from app.rollout.local_server import create_app
+    from app.serving.native import create_app
     from tests.helpers import random_qwen2
 
     random_qwen2(0).save_pretrained(tmp_path / "a")

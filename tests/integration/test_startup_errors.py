@@ -171,7 +171,7 @@ def test_drop_trains_without_the_long_prompts_and_counts_them_in_the_log_and_mlf
     from mlflow.tracking import MlflowClient
 
     from app.config import load_config
-    from app.loop import run
+    from app.training.loop import run
 
     short = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(6)]
     train = jsonl(tmp_path / "train.jsonl", [short[0], LONG, short[1], short[2], LONG, short[3]])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from mlflow.tracking import MlflowClient
 
-from app.loop import run
+from app.training.loop import run
 from tests.integration.conftest import tiny_model_dir  # noqa: F401 - the bootstrapped tiny model fixture
 from tests.integration.test_loop import small_config
 from tests.sglang.conftest import SGLANG_PYTHON, sglang_env_missing

@@ -29,10 +29,10 @@ import pytest
 import torch
 
 from app.rollout.base import SamplingParams, WeightSource
-from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig
+from app.rollout.joint import gather_weights
+from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, init_weights_update_group
 from tests.sglang.conftest import run_with_client
 from trainer.logprobs import token_logprobs
-from trainer.weights import state_dict_for_sync
 
 pytestmark = pytest.mark.sglang
 
@@ -91,10 +91,10 @@ def test_update_from_distributed_gloo_changes_outputs_and_version(server, models
         before = await client.generate(PROMPTS, SAMPLED)
         sync = await DistributedWeightSync.connect(client, cfg)
         try:
-            stats = await sync.push(state_dict_for_sync(new_model), version=7)
+            stats = await sync.push(gather_weights(new_model), version=7)
             sampled_new = await client.generate(PROMPTS, SAMPLED)
             info = await client.model_info()
-            await sync.push(state_dict_for_sync(old_model), version=8)  # the same group serves every push
+            await sync.push(gather_weights(old_model), version=8)  # the same group serves every push
             sampled_old = await client.generate(PROMPTS, SAMPLED)
         finally:
             await sync.close()
@@ -112,8 +112,8 @@ def test_update_from_distributed_gloo_changes_outputs_and_version(server, models
 
 def test_distributed_sync_rejects_a_second_group_with_the_same_name_and_recovers(server):
     """SGLang refuses to initialise a group name it holds (400); destroying it makes the name usable again."""
+    from app.rollout.joint import WeightUpdateGroup
     from app.rollout.sglang import RolloutRequestError
-    from trainer.weights import WeightUpdateGroup
 
     async def go(client):
         sync = await DistributedWeightSync.connect(client, WeightSyncConfig(backend="gloo", timeout_s=30))
@@ -121,9 +121,9 @@ def test_distributed_sync_rejects_a_second_group_with_the_same_name_and_recovers
         clash = WeightUpdateGroup(world_size=2, group_name=name, backend="gloo", timeout_s=5)
         try:
             with pytest.raises(RolloutRequestError):
-                await client.init_weights_update_group(
-                    master_address="127.0.0.1", master_port=clash.master_port, world_size=2, rank_offsets=[1],
-                    group_name=name, backend="gloo",
+                await init_weights_update_group(
+                    client, master_address="127.0.0.1", master_port=clash.master_port, world_size=2,
+                    rank_offsets=[1], group_name=name, backend="gloo",
                 )  # fmt: skip
         finally:
             clash.destroy()
@@ -184,7 +184,7 @@ def test_update_waits_for_the_request_in_flight(server, models, method):
             if sync is None:
                 work = client.update_weights(WeightSource(path=models.v1), 3)
             else:
-                work = sync.push(state_dict_for_sync(new_model), version=3)
+                work = sync.push(gather_weights(new_model), version=3)
             update.append(asyncio.ensure_future(work))
             await asyncio.sleep(0)  # let it send its first request
 
@@ -285,7 +285,7 @@ def test_completing_an_unflushed_update_while_a_request_runs(server, models):
         done: list[asyncio.Future] = []
 
         async def complete_update():
-            done.append(asyncio.ensure_future(client._finish_unflushed_update(server.url, "21")))
+            done.append(asyncio.ensure_future(client.finish_unflushed_update(server.url, "21")))
             await asyncio.sleep(0)
 
         last = await stream_long_request(server.url, complete_update)

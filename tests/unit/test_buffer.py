@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from app.buffer import StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
+from app.training.buffer import StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
 
 
 def run(coro):
@@ -110,7 +110,7 @@ def test_bad_arguments_are_refused():
 
 
 def test_a_simulated_async_schedule_never_exceeds_the_lag_bound():
-    """Producer and trainer at different speeds, wired as app/loop.py wires them: every admitted lag <= k."""
+    """Producer and trainer at different speeds, wired as app/training/loop.py wires them: every admitted lag <= k."""
 
     async def schedule(k: int, gen_s: float, train_s: float, steps: int = 8) -> list[int]:
         clock, buffer, lags = Watermark(0), StalenessBuffer(max_lag=k, capacity=k + 1), []

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from app.evaluate import EvalSettings, pass_at_k, reported_ks, summarize
+from app.evaluation import EvalSettings, pass_at_k, reported_ks, summarize
 
 
 @pytest.mark.parametrize(

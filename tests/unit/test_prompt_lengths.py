@@ -7,7 +7,7 @@ import pytest
 
 from app.config import load_config
 from app.data import DatasetError, load_prompts
-from app.runtime import encode_rows, prepare_prompts
+from app.training.runtime import encode_rows, prepare_prompts
 from trainer.model import build_tiny_tokenizer, encode_prompt
 
 CONTEXT = 64

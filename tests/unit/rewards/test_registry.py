@@ -1,7 +1,6 @@
 """The verifier registry, plug-ins by dotted path, and the contract every registered verifier keeps."""
 
 import math
-import time
 
 import pytest
 from omegaconf import OmegaConf
@@ -101,14 +100,12 @@ def test_contract_every_verifier(name):
     reference = REFERENCES.get(name)
     for text in GARBAGE:
         sample = VerifierInput("prompt", text, reference, {})
-        start = time.monotonic()
         first = verify(sample)
-        elapsed = time.monotonic() - start
         assert isinstance(first, Score), (name, text)
         assert math.isfinite(first.reward) and 0.0 <= first.reward <= 1.0, (name, text, first)
         assert first.correct in (True, False, None)
         assert isinstance(first.breakdown, dict)
-        assert elapsed < 5.0, (name, text, elapsed)  # time limit: garbage never hangs a verifier
+        assert not (first.error or "").startswith("timeout"), (name, text, first)  # garbage is judged, not timed out
         assert verify(sample) == first, (name, text)  # deterministic
     # The right answer earns the top reward.
     right = {"code": "print(1)", "math": "\\boxed{1}", "exact": "1", "format": "\\boxed{1}"}

@@ -16,10 +16,8 @@ def _spin(seconds):
 
 
 def test_limit_interrupts_a_python_loop():
-    start = time.monotonic()
     with pytest.raises(TimeLimitExceeded), time_limit(0.05):
-        _spin(5)
-    assert time.monotonic() - start < 1.0
+        _spin(5)  # ends without an exception (and fails the test) unless the limit interrupts it
 
 
 def test_no_limit_when_the_body_is_fast_and_state_is_restored():

@@ -1,6 +1,6 @@
 """Everything a training run drives, built once: model, optimizer, rollout fleet, rewards, data, tracking.
 
-`setup(cfg)` returns the `Parts` that `app/loop.py` orchestrates, restored from a checkpoint when
+`setup(cfg)` returns the `Parts` that `app/training/loop.py` orchestrates, restored from a checkpoint when
 `cfg.resume` names an interrupted run (`find_resume`). Building order matters and is kept here, out of the
 loop: first what can stop the run for a fixable reason, before any model is built or loaded (the config's
 start-up checks; the datasets, their tasks, and their prompts tokenized as the engines get them and checked
@@ -20,18 +20,18 @@ from pathlib import Path
 
 import torch
 
-from app.bootstrap import ensure_model
 from app.config import Config, ConfigError, check_trainable, to_yaml
 from app.data import DataConfig, DatasetError, PromptRow, limit_prompt_lengths, load_split
-from app.eval import EvalResult, evaluate
+from app.evaluation import EvalResult, sample_and_score
 from app.rollout.base import Completion, SamplingParams
 from app.rollout.embedded import EmbeddedEngine
 from app.rollout.fleet import Fleet
-from app.rollout.launcher import LocalServerProcess
+from app.rollout.process import LocalServerProcess
 from app.rollout.sglang import SGLangClient
 from app.rollout.sglang_server import launch_servers
 from app.scoring import rewards_with_sandbox
 from app.tracking import Tracker, default_tracking_uri
+from app.training.bootstrap import ensure_model
 from rewards import check_tasks
 from rewards.runner import RewardRunner
 from trainer.checkpoint import checkpoint_problem, list_checkpoints, load_checkpoint
@@ -100,9 +100,6 @@ class Parts:
     eval: Prompts
     sampling: SamplingParams
     resume: Resume
-    weights_dir: Path
-    """Where HTTP engines load each new policy version from (update_weights_from_disk), one folder a version,
-    written by rank 0 and read by every rank's servers (one machine, or a filesystem they share)."""
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -182,14 +179,20 @@ def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
     return Path(run_dir)
 
 
-def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> Fleet:
-    """The configured rollout engine under supervision; `local` first starts this rank's CPU rollout server,
-    `sglang` with `launch.num_servers` this rank's SGLang servers (otherwise it connects to `urls`)."""
+def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume, tokenizer) -> Fleet:
+    """The configured rollout engine under supervision, publishing each new version (`Fleet.publish`);
+    `local` first starts this rank's CPU rollout server, `sglang` with `launch.num_servers` this rank's SGLang
+    servers (otherwise it connects to `urls`). Versions on disk go to `<run dir>/weights/v<N>/`."""
     r = cfg.rollout
     version = resume.step
+    publication = dict(
+        weights_dir=cfg.run.path / "weights", tokenizer=tokenizer, is_main=dist.is_main, wait_for_push=r.max_lag == 0
+    )
     if r.engine == "embedded":
-        engine = EmbeddedEngine.from_pretrained(model_dir, max_batch_size=r.max_batch_size, policy_version=version)
-        return Fleet(engine, [], r.supervision, health_timeout_s=r.sglang.health_timeout_s)
+        engine = EmbeddedEngine.from_pretrained(
+            model_dir, max_batch_size=r.max_batch_size, policy_version=version
+        )
+        return Fleet(engine, [], r.supervision, health_timeout_s=r.sglang.health_timeout_s, **publication)
     servers, client_cfg = [], r.sglang
     if r.engine == "local":
         server = LocalServerProcess(
@@ -202,7 +205,9 @@ def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> 
         client_cfg = replace(
             client_cfg, urls=[server.start()], health_timeout_s=min(client_cfg.health_timeout_s, 180.0)
         )
-        log.info("rank %d: started the CPU rollout server at %s (log %s)", dist.rank, server.url, server.log_path)
+        log.info(
+            "rank %d: started the CPU rollout server at %s (log %s)", dist.rank, server.url, server.log_path
+        )
     elif r.sglang.launch.num_servers:
         # Every trainer rank starts its own servers (ports, GPUs and seeds offset by rank); blocks until healthy.
         servers = launch_servers(
@@ -221,9 +226,10 @@ def make_fleet(cfg: Config, model_dir: Path, dist: DistInfo, resume: Resume) -> 
         r.supervision,
         health_timeout_s=client_cfg.health_timeout_s,
         weight_sync=client_cfg.weight_sync,
+        **publication,
     )
     if resume.checkpoint is not None and r.engine == "sglang":
-        fleet.latest = (resume.checkpoint / "model", version)  # pushed before the first rollout (loop.run)
+        fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect
     return fleet
 
 
@@ -379,7 +385,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         tokenizer.get_vocab()[t] for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
     }
     engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
-    fleet = make_fleet(cfg, engine_dir, dist, resume)
+    fleet = make_fleet(cfg, engine_dir, dist, resume, tokenizer)
     runner: RewardRunner | None = None
     try:
         if dist.world_size > 1:
@@ -443,7 +449,6 @@ def setup(cfg: Config, resume: Resume) -> Parts:
             stop_token_ids=tuple(sorted(stop)),
         ),
         resume=resume,
-        weights_dir=cfg.run.path / "weights",
     )
 
 
@@ -451,7 +456,9 @@ class Evaluator:
     """Held-out sampled pass@1 at the training temperature (+ greedy), the same prompts and seed each time.
 
     `generate` is a blocking call (the loop hands it one that submits to the fleet on the event loop), because
-    evaluation runs in a worker thread while rollouts of the next steps go on.
+    evaluation runs in a worker thread while rollouts of the next steps go on. Sampling and scoring are
+    app/evaluation.py `sample_and_score` (each rank its share of the prompts), the accuracies its records
+    summed over ranks.
     """
 
     def __init__(self, cfg: Config, p: Parts):
@@ -468,10 +475,11 @@ class Evaluator:
         runs = {"sampled": replace(base, n=cfg.eval.samples_per_prompt)}
         if cfg.eval.greedy:
             runs["greedy"] = replace(base, n=1, temperature=0.0, top_p=1.0)
-        self.results[step] = {
-            name: evaluate(generate, p.eval.rows, p.eval.ids, p.decode, p.runner, params, p.reducer)
-            for name, params in runs.items()
-        }
+        rows, ids = p.eval.rows, p.eval.ids
+        self.results[step] = {}
+        for name, params in runs.items():
+            scored = sample_and_score(generate, rows, ids, params, p.runner, p.decode, reducer=p.reducer)
+            self.results[step][name] = EvalResult.from_samples(scored.samples, len(rows), params.n, p.reducer)
         sampled = self.results[step]["sampled"]
         out = {
             "step": step,
@@ -490,7 +498,9 @@ class Evaluator:
         """What a checkpoint keeps so that a resumed run reports the same gains and plot."""
         return {
             "evals": {
-                str(step): {name: {"per_prompt": r.per_prompt, "samples": r.samples} for name, r in runs.items()}
+                str(step): {
+                    name: {"per_prompt": r.per_prompt, "samples": r.samples} for name, r in runs.items()
+                }
                 for step, runs in self.results.items()
             },
             "eval_history": self.history,

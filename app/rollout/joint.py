@@ -1,0 +1,41 @@
+"""Where the rollout side meets the trainer: the only app/rollout module that imports trainer/.
+
+Everything else under app/rollout talks to engines (in process or over HTTP) and never imports trainer/
+(tests/unit/test_import_rules.py holds it to that). What rollout needs from the trainer is here, and only here:
+
+- `gather_weights`: the one gather-and-cast of a new policy version for engines that take tensors (the embedded
+  engine in memory, SGLang over a process group): every rank's full state dict, floating point cast to the dtype
+  sent. Under FSDP2 it is a collective: every trainer rank takes part;
+- `save_version`: the Hugging Face directory of a version that servers load with /update_weights_from_disk
+  (gathered by every rank, written by rank 0; every rank returns once it is complete);
+- for the distributed method (app/rollout/weight_sync.py): `WeightUpdateGroup` (rank 0 of the weight-update
+  process group), `plan_buckets` and `tensor_specs` (the buckets and the name/dtype/shape lists of SGLang's
+  /update_weights_from_distributed), all from trainer/weights.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from trainer.checkpoint import save_hf_checkpoint
+from trainer.distributed import barrier
+from trainer.weights import WeightUpdateGroup, plan_buckets, state_dict_for_sync, tensor_specs
+
+__all__ = ["WeightUpdateGroup", "gather_weights", "plan_buckets", "save_version", "tensor_specs"]
+
+
+def gather_weights(model: torch.nn.Module, *, dtype: str | None = None) -> dict[str, Tensor]:
+    """Every rank's copy of the full state dict (each rank feeds engines of its own), detached from the model
+    and cast to ``dtype`` (e.g. ``"bfloat16"``; None keeps the model's); a collective under FSDP2."""
+    return state_dict_for_sync(model, dtype=dtype, every_rank=True)
+
+
+def save_version(model: torch.nn.Module, tokenizer, path: Path, *, is_main: bool) -> Path:
+    """Write ``model`` (and ``tokenizer``) as the HF directory ``path``: every rank takes part in gathering the
+    weights, rank 0 writes them (atomically), and all wait until the directory is complete."""
+    save_hf_checkpoint(model, tokenizer, path, is_main=is_main)
+    barrier()
+    return Path(path)

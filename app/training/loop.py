@@ -1,0 +1,261 @@
+"""The training loop: rollouts and training run at the same time, held together by a bound on policy lag.
+
+This file is the architecture. Two tasks per rank share one event loop (asyncio); blocking work (sampling on
+the servers, scoring, `train_step`, saving weights) happens in other processes or worker threads, so neither
+task stops the other:
+
+    task        consumes                       waits for                          unblocks
+    ----------  -----------------------------  ---------------------------------  ----------------------------
+    produce     prompt tickets (one per step)  engines to hold version            the trainer (groups in the
+                                               >= ticket - 1 - max_lag (clock);   buffer); exact_lag: the
+                                               room in the buffer                 publish of the next version
+    train       scored groups from the buffer  `prompts_per_step` groups whose    produce (a new version on the
+                (oldest first; too-stale ones  lag <= max_lag                     clock, room in the buffer)
+                dropped and counted)
+
+One step of `train`: take groups → group advantages → `train_step` (ESS objective) → save the new weights and
+push them to every rollout server as version `step` (the push finishes in the background; the clock
+advances when every server holds it) → log; every `eval.every` steps evaluate, every `checkpoint.every` steps
+checkpoint and register an MLflow model version. `rollout.max_lag = 0` is the synchronous loop: ticket t
+waits for the weights of step t - 1 (app/training/buffer.py). Held-out evaluation runs before the first step, every
+`eval.every` steps and after the last. Under `torchrun` every rank runs both tasks on its share of each
+ticket; collectives happen only in the train task, in the same order on every rank. Only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+
+import torch
+from tqdm import tqdm
+
+from app.config import Config
+from app.rollout.fleet import PublishHooks
+from app.scoring import score_texts
+from app.training.batching import build_train_batch
+from app.training.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
+from app.training.records import Group, History, Ticket, Utilisation, checkpoint, finish, step_metrics
+from app.training.runtime import Evaluator, Parts, PromptSampler, completions_version, find_resume, setup
+from trainer.advantages import group_advantages, informative_groups
+from trainer.step import TrainBatch, train_step
+
+log = logging.getLogger("trustbatch")
+
+
+def run(cfg: Config) -> dict:
+    t_start = time.perf_counter()
+    resume = find_resume(cfg)
+    if resume.run_dir is not None and resume.run_dir.resolve() != cfg.run.path.resolve():
+        log.info("resume: writing to the interrupted run's directory %s", resume.run_dir)
+        cfg = replace(cfg, run=replace(cfg.run, dir=str(resume.run_dir)))
+    p = setup(cfg, resume)
+    try:
+        return asyncio.run(train(cfg, p, t_start))
+    except BaseException:
+        p.tracker.finish("FAILED")  # a resumed run sets it RUNNING again
+        raise
+    finally:
+        p.close()
+
+
+async def train(cfg: Config, p: Parts, t_start: float) -> dict:
+    r, start = cfg.rollout, p.resume.step
+    per_rank = len(range(p.dist.rank, r.prompts_per_step, p.dist.world_size))
+    clock = PolicyClock(start)
+    buffer: StalenessBuffer[Group] = StalenessBuffer(r.max_lag, capacity=(r.max_lag + 1) * max(per_rank, 1))
+    generated = Watermark(start)
+    evaluator = Evaluator(cfg, p)
+    history = History(p, resumed_at=start)
+    loop = asyncio.get_running_loop()
+
+    def generate_blocking(prompts, params):  # for evaluation, which runs in a worker thread
+        return asyncio.run_coroutine_threadsafe(p.fleet.generate(prompts, params), loop).result()
+
+    async def evaluate(step: int) -> dict[str, float]:
+        await p.fleet.flush()  # the engines hold the weights of `step`
+        return await asyncio.to_thread(evaluator, step, generate_blocking)
+
+    await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer))
+    producer = asyncio.create_task(produce(p, clock, buffer, generated, first_ticket=start + 1))
+    try:
+        if start == 0:
+            first = await evaluate(0)
+            if p.dist.is_main:
+                log.info(
+                    "step 0: held-out sampled pass@1 %.2f%% ± %.2f, greedy %.2f%%",
+                    100 * first["eval/accuracy"],
+                    100 * first["eval/accuracy_se"],
+                    100 * first.get("eval/greedy_accuracy", float("nan")),
+                )
+        bar = tqdm(
+            range(start + 1, cfg.run.steps + 1),
+            desc="train",
+            initial=start,
+            total=cfg.run.steps,
+            disable=not p.dist.is_main,
+            dynamic_ncols=True,
+        )
+        meter = Utilisation(p)
+        last = start
+        for step in bar:
+            metrics = await train_one_step(p, buffer, step, per_rank)
+            metrics.update(meter.read(metrics["timing/train"], metrics["rollout/samples"]))
+            history.add(step, metrics)
+            last = step
+            out_of_time = history.out_of_time()
+            final = step == cfg.run.steps or out_of_time
+            evaluated = final or bool(cfg.eval.every and step % cfg.eval.every == 0)
+            if evaluated:
+                await evaluate(step)
+            if final or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                await checkpoint(p, evaluator, history, step, evaluated=evaluated)
+            meter.restart()  # evaluation and checkpointing are not part of the next step's wall time
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                acc=f"{100 * evaluator.history[-1]['eval/accuracy']:.1f}",
+                ess=f"{metrics['loss/ess']:.3f}",
+                lag=f"{metrics['rollout/policy_lag/mean']:.1f}",
+                sps=f"{metrics['throughput/samples_per_s']:.0f}",
+            )
+            if out_of_time:
+                log.info("run.time_limit_s=%g reached after step %d", cfg.run.time_limit_s, step)
+                break
+        bar.close()
+    finally:
+        producer.cancel()
+        await asyncio.gather(producer, return_exceptions=True)
+        await p.fleet.close()  # a push still in flight is cancelled
+    return finish(p, evaluator, history, last, wall_s=time.perf_counter() - t_start)
+
+
+# ---------------------------------------------------------------------------------------------- produce
+
+
+async def produce(
+    p: Parts,
+    clock: PolicyClock,
+    buffer: StalenessBuffer[Group],
+    generated: Watermark,
+    *,
+    first_ticket: int,
+) -> None:
+    """Issue ticket after ticket as the lag bound allows; each generates, scores and queues its groups.
+
+    Tickets run concurrently (at most max_lag + 1 at a time, by the clock), and queue their groups in ticket
+    order. Runs until cancelled; a ticket that fails for good closes the buffer with its error, which stops
+    the trainer.
+    """
+    cfg = p.cfg
+    sampler = PromptSampler(
+        len(p.train.rows), cfg.run.seed, cursor=(first_ticket - 1) * cfg.rollout.prompts_per_step
+    )
+    finished: set[int] = set()
+    queued_before: asyncio.Future | None = None
+    tasks: set[asyncio.Task] = set()
+
+    async def one_ticket(ticket: int, chosen: list[int], turn: asyncio.Future | None, mine: asyncio.Future):
+        try:
+            completions = await p.fleet.generate(
+                [p.train.ids[i] for i in chosen],
+                replace(p.sampling, seed=cfg.run.seed * 100_003 + ticket * 64 + p.dist.rank),
+            )
+            finished.add(ticket)
+            while generated.value + 1 in finished:  # the watermark: every ticket up to it has generated
+                await generated.advance(generated.value + 1)
+            rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
+            texts = [p.decode(c.output_ids) for c in completions]
+            scores, scoring = await asyncio.to_thread(score_texts, p.runner, rows, texts)
+            n, record = p.sampling.n, Ticket(ticket, scoring)
+            groups = [
+                Group(record, completions[k * n : (k + 1) * n], scores[k * n : (k + 1) * n])
+                for k in range(len(chosen))
+            ]
+            if turn is not None:
+                await turn  # queue after the previous ticket, so the trainer sees tickets in order
+            await buffer.put([Versioned(g, completions_version(g.completions)) for g in groups])
+            mine.set_result(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the trainer must hear of it
+            await buffer.close(exc)
+            raise
+
+    try:
+        ticket = first_ticket
+        while True:
+            await clock.wait_for(ticket_gate(ticket, cfg.rollout.max_lag))
+            chosen = sampler.take(cfg.rollout.prompts_per_step)[p.dist.rank :: p.dist.world_size]
+            mine = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(
+                one_ticket(ticket, chosen, queued_before, mine), name=f"ticket-{ticket}"
+            )
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            queued_before, ticket = mine, ticket + 1
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+async def train_one_step(
+    p: Parts, buffer: StalenessBuffer[Group], step: int, per_rank: int
+) -> dict[str, float]:
+    cfg, t0 = p.cfg, time.perf_counter()
+    taken = await buffer.take(per_rank, trainer_version=step - 1)
+    t1 = time.perf_counter()
+    groups = [item.item for item in taken]
+    batch, rewards, stats = to_train_batch(p, groups)
+    trained = await asyncio.to_thread(
+        train_step, p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer, scheduler=p.scheduler
+    )
+    t2 = time.perf_counter()
+    await p.fleet.publish(p.model, step)  # the push to the engines goes on in the background
+    t3 = time.perf_counter()
+    metrics = {
+        "step": step,
+        **step_metrics(p, groups, [step - 1 - item.version for item in taken], rewards, stats, batch),
+        **trained,
+        "buffer/dropped_groups": float(buffer.stats.dropped),
+        "buffer/size": float(len(buffer)),
+        "timing/wait_rollout": t1 - t0,
+        "timing/train": t2 - t1,
+        "timing/weight_save": t3 - t2,
+        "timing/weight_sync": p.fleet.last_sync_s,
+    }
+    return metrics
+
+
+def to_train_batch(p: Parts, groups: list[Group]) -> tuple[TrainBatch, torch.Tensor, dict]:
+    """Group advantages → the padded TrainBatch of the groups worth training on."""
+    cfg = p.cfg
+    rewards = torch.tensor([[s.reward for s in g.scores] for g in groups], dtype=torch.float32)
+    advantages, stats = group_advantages(rewards, scale_by_std=cfg.advantage.scale_by_std)
+    keep = list(range(rewards.shape[0]))
+    if cfg.advantage.drop_zero_variance_groups:
+        # A rank with no informative group keeps one (advantage 0) so it still joins the step's collectives.
+        keep = informative_groups(rewards).nonzero().flatten().tolist() or [0]
+    batch = build_train_batch(
+        [c for g in keep for c in groups[g].completions],
+        advantages[keep].flatten().tolist(),
+        pad_id=p.tokenizer.pad_token_id,
+        temperature=cfg.rollout.temperature,
+    )
+    return batch, rewards, stats
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def publish_hooks(cfg: Config, clock: PolicyClock, generated: Watermark, buffer: StalenessBuffer) -> PublishHooks:
+    """How the fleet's publication (app/rollout/fleet.py) meets the loop: a version every engine holds advances
+    the clock; under exact_lag a push waits for the generated-watermark; a failed push closes the buffer."""
+    r = cfg.rollout
+    gate = (lambda version: generated.wait_for(publish_gate(version, r.max_lag))) if r.exact_lag else None
+    return PublishHooks(held=clock.advance, failed=buffer.close, gate=gate)
