@@ -63,6 +63,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
+from app import sampling
 from app.data import (
     BUILTIN_PREFIX,
     BUILTIN_TASKS,
@@ -353,17 +354,15 @@ class EvalSettings:
             )
         if self.num_prompts is not None and self.num_prompts < 1:
             raise ValueError(f"--num-prompts {self.num_prompts} must be >= 1")
-        if not 0 <= self.temperature <= 2:
-            raise ValueError(f"--temperature {self.temperature} must be in [0, 2] (0 = greedy)")
+        sampling.temperature(self.temperature, "--temperature", maximum=sampling.MAX_TEMPERATURE)  # the engines' own checks
         if self.temperature == 0 and self.n > 1:
             raise ValueError(
                 f"--temperature 0 is greedy: all {self.n} samples of a prompt would be the same; use --k 1 "
                 "(greedy accuracy) or a temperature > 0"
             )
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top-p {self.top_p} must be in (0, 1]")
-        if self.max_new_tokens is not None and self.max_new_tokens < 1:
-            raise ValueError(f"--max-new-tokens {self.max_new_tokens} must be >= 1")
+        sampling.top_p(self.top_p, "--top-p")
+        if self.max_new_tokens is not None:
+            sampling.bounded_int(self.max_new_tokens, "--max-new-tokens", 1)
         if self.max_batch_size < 1:
             raise ValueError(f"--max-batch-size {self.max_batch_size} must be >= 1")
         if self.engine not in ENGINES:

@@ -1,7 +1,7 @@
 """Every sampling value trustbatch takes, checked in one place (no fastapi, no torch: config code imports it).
 
-The same checks guard the engine's ``SamplingParams`` (app/rollout/base.py), the rollout and eval sections of
-the config (app/config.py) and both HTTP APIs of the built-in server (app/serving/): SGLang's native
+The same checks guard the engine's ``SamplingParams`` (app/rollout/base.py), the config's rollout section
+(app/config.py), `trustbatch eval`'s settings (app/evaluation.py) and both HTTP APIs of the built-in server (app/serving/): SGLang's native
 ``sampling_params`` and OpenAI's ``/v1`` fields. What they refuse:
 
 - numbers that are not finite: NaN, infinities and integers too large for a float (``1e999`` parses to inf);
@@ -28,6 +28,8 @@ from typing import Any
 
 MIN_TEMPERATURE = 1e-6
 """Smallest temperature other than 0 (greedy): logits / T must stay finite in float32 (1e-320 made them inf)."""
+MAX_TEMPERATURE = 2.0
+"""OpenAI's upper bound, kept by the /v1 API and `trustbatch eval` (the native API and the config have none)."""
 SEED_RANGE = (-(2**63), 2**64 - 1)
 """What ``torch.Generator.manual_seed`` accepts; a seed outside it would fail inside the engine."""
 MAX_NEW_TOKENS = 2**31 - 1
@@ -180,22 +182,40 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
     return lambda value: value is None or (not isinstance(value, bool) and value in values)
 
 
-_NO = "is not supported"
+def _false(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _no_choice(value: Any) -> bool:
+    return value in (None, "none", "auto")
+
+
+_PENALTY = "penalties are not supported"
+_TOOLS = "function calling is not supported"
+_CONSTRAINED = "constrained decoding is not supported"
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "top_k": (_neutral(-1, 0, TOP_K_ALL), f"only top_k = all (-1 or {TOP_K_ALL}) is supported"),
-    **{key: (_neutral(0), f"only {key} = 0 is supported") for key in (
-        "min_p", "frequency_penalty", "presence_penalty", "min_new_tokens", "min_tokens", "top_logprobs")},
-    "repetition_penalty": (_neutral(1), "only repetition_penalty = 1 is supported (no penalties)"),
-    "beam_width": (_neutral(0, 1), "beam search (beam_width > 1) is not supported"),
-    **{key: (lambda v: v is None or v is False, f"{key} = true {_NO}") for key in ("ignore_eos", "echo")},
-    **{key: (empty, f"constrained decoding ({key}) {_NO}") for key in (
-        "json_schema", "regex", "ebnf", "structural_tag", "choice")},
-    **{key: (empty, f"{key} {_NO} (no function calling)") for key in ("tools", "functions")},
-    **{key: (lambda v: v in (None, "none", "auto"), f"{key} {_NO} (no function calling)") for key in (
-        "tool_choice", "function_call")},
-    **{key: (empty, f"{key} {_NO}") for key in ("logit_bias", "custom_params", "watermark", "suffix")},
+    "top_k": (_neutral(-1, 0, TOP_K_ALL), f"top-k sampling is not supported; use -1 or {TOP_K_ALL} (all tokens)"),
+    "min_p": (_neutral(0), "min-p sampling is not supported; use 0"),
+    "frequency_penalty": (_neutral(0), f"{_PENALTY}; use 0"),
+    "presence_penalty": (_neutral(0), f"{_PENALTY}; use 0"),
+    "repetition_penalty": (_neutral(1), f"{_PENALTY}; use 1"),
+    "min_new_tokens": (_neutral(0), "a minimum length is not supported; use 0"),
+    "min_tokens": (_neutral(0), "a minimum length is not supported; use 0"),
+    "top_logprobs": (_neutral(0), "top alternatives are not computed; use 0"),
+    "beam_width": (_neutral(0, 1), "beam search is not supported; use 0 or 1"),
+    "ignore_eos": (_false, "the EOS token always ends a sequence; use false"),
+    "echo": (_false, "echoing the prompt is not supported; use false"),
+    **{key: (empty, _CONSTRAINED) for key in ("json_schema", "regex", "ebnf", "structural_tag", "choice")},
+    "tools": (empty, _TOOLS),
+    "functions": (empty, _TOOLS),
+    "tool_choice": (_no_choice, _TOOLS),
+    "function_call": (_no_choice, _TOOLS),
+    "logit_bias": (empty, "logit biases are not supported"),
+    "suffix": (lambda v: v is None or v == "", "insertion (a suffix) is not supported"),
+    "custom_params": (empty, "custom logit processors are not supported"),
+    "watermark": (empty, "watermarking is not supported"),
 }  # fmt: skip
-"""Fields the built-in engine cannot honour: field -> (is this value neutral?, what it supports instead)."""
+"""Fields the built-in engine cannot honour: field -> (is this value neutral?, why else it is refused)."""
 
 
 def check_supported(fields: dict[str, Any], prefix: str = "") -> None:
@@ -203,5 +223,5 @@ def check_supported(fields: dict[str, Any], prefix: str = "") -> None:
     for key, (neutral, why) in UNSUPPORTED.items():
         if key in fields and not neutral(fields[key]):
             raise RequestError(
-                f"{prefix}{key} = {describe(fields[key])}: {why} by the built-in server", f"{prefix}{key}"
+                f"{prefix}{key} = {describe(fields[key])}: {why} (built-in server)", f"{prefix}{key}"
             )

@@ -24,11 +24,17 @@ Endpoints:
   "abort"}``; a running batch finishes. An empty ``rid`` without ``abort_all``, or an ``rid`` no queued request
   has, is ignored, as in SGLang.
 
-Requests are checked as on the ``/v1`` API (app/sampling.py, app/serving/requests.py): 413 for a body over
+Requests are checked by the same code as on the ``/v1`` API (app/sampling.py, app/serving/requests.py; the
+sequence limit is ``MAX_SEQUENCES`` here, higher than ``/v1``'s, for rollout batches): 413 for a body over
 ``max_body_bytes``, 400 ``{"error": ...}`` naming the field for anything malformed (the keep-alive connection
 stays open), more than ``MAX_SEQUENCES`` sequences (prompts x n) included.
 
-Weight updates take the scheduler's write lock (every ``/generate`` holds a read lock), so an update waits for
+Code layout: each endpoint is a module-level handler that reads the one ``NativeState`` on ``app.state.native``
+(engine, tokenizer, scheduler, lock, version label); ``ROUTES`` lists them and ``create_app`` only builds the
+state and mounts the table. app/serving/openai.py adds its routes and state to the same app.
+
+Weight updates take the state's write lock (every ``/generate`` holds a read lock; ``/health_generate`` does
+not, and runs beside them), so an update waits for
 the requests in flight, which finish on the old weights. While generation is paused the update runs at once,
 without the lock; the queued requests then run on the new weights after ``/continue_generation``. With
 ``abort_all_requests: true`` the queued requests are answered with an abort first.

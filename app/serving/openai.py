@@ -31,6 +31,10 @@ for a body over ``max_body_bytes`` (code ``request_too_large``), 500 only for a 
 code ``context_length_exceeded``. Values are checked by app/sampling.py and prompts by app/serving/requests.py,
 as on the native routes; parsing, tokenizing and chat templates run in a worker thread.
 
+Code layout: module-level handlers over ``OpenAIState`` (``app.state.openai``: the served names, the text
+tracker's stop strings) beside the native state; one ``RequestError`` handler renders errors in OpenAI's shape
+for ``/v1`` paths and in the native shape elsewhere.
+
 Not covered: tools / function calling, ``echo``, ``suffix``, ``best_of > n``, penalties, ``logit_bias``,
 top-k logprobs, images, embeddings, the Responses API.
 """
@@ -62,7 +66,6 @@ MAX_N = 128
 MAX_SEQUENCES = 4096
 """Most sequences (prompts x n) one request may ask for; more is refused rather than left to hog the server."""
 MAX_STOPS = 16
-MAX_TEMPERATURE = 2.0
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 """Tokens that end an assistant turn in common chat templates; those in the vocabulary stop chat replies."""
 
@@ -169,7 +172,7 @@ def _sampling(
     kwargs = sampling.check_sampling(
         {key: (key, body.get(key)) for key in ("temperature", "top_p", "n")},
         max_n=MAX_N,
-        max_temperature=MAX_TEMPERATURE,
+        max_temperature=sampling.MAX_TEMPERATURE,
     )
     n = kwargs.get("n", 1)
     if n * len(prompts) > MAX_SEQUENCES:

@@ -78,9 +78,10 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
         await p.fleet.flush()  # the engines hold the weights of `step`
         return await asyncio.to_thread(evaluator, step, generate_blocking)
 
-    await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer))
-    producer = asyncio.create_task(produce(p, clock, buffer, generated, first_ticket=start + 1))
+    producer: asyncio.Task | None = None
     try:
+        await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer))
+        producer = asyncio.create_task(produce(p, clock, buffer, generated, first_ticket=start + 1))
         if start == 0:
             first = await evaluate(0)
             if p.dist.is_main:
@@ -125,8 +126,9 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
                 break
         bar.close()
     finally:
-        producer.cancel()
-        await asyncio.gather(producer, return_exceptions=True)
+        if producer is not None:
+            producer.cancel()
+            await asyncio.gather(producer, return_exceptions=True)
         await p.fleet.close()  # a push still in flight is cancelled
     return finish(p, evaluator, history, last, wall_s=time.perf_counter() - t_start)
 

@@ -2,7 +2,8 @@
 per-step history (metrics.jsonl, replayed on resume) and the end-of-run summary.
 
 The loop (app/training/loop.py) calls these at fixed points and never reads back what they write, except on
-resume. Every metric is global over ranks; only rank 0 writes files. The keys are listed in the metric
+resume. Every metric is global over ranks, except the scoring metrics (error and timeout rates, per-verifier
+means: each rank's own, and rank 0's are logged); only rank 0 writes files. The keys are listed in the metric
 glossary (trainer/README.md).
 """
 
@@ -24,6 +25,7 @@ from app.training.plots import plot_run
 from app.training.runtime import Evaluator, Parts
 from rewards import Score
 from trainer.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir
+from trainer.distributed import barrier
 from trainer.step import TrainBatch
 
 log = logging.getLogger("trustbatch")
@@ -151,20 +153,22 @@ class History:
     def out_of_time(self) -> bool:
         """`run.time_limit_s` of training reached, on every rank when it is on one (ranks stop together)."""
         limit = self.p.cfg.run.time_limit_s
-        flag = bool(limit) and self.counters["train_wall_s"] >= limit
+        if not limit:
+            return False  # the same on every rank: no collective
+        flag = self.counters["train_wall_s"] >= limit
         return bool(self.p.reducer.max_(torch.tensor([float(flag)])).item())
 
     def _replay(self, upto: int) -> list[dict]:
-        """The steps a resumed run already did (later ones were lost with the crash)."""
+        """The steps a resumed run already did (later ones were lost with the crash). Rank 0 rewrites the file
+        without them before any rank reads it (every rank calls this, at the same point of `train`)."""
+        if self.p.dist.is_main and self.path.is_file():
+            rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            kept = {int(r["step"]): r for r in rows if int(r["step"]) <= upto}  # a redone step: last wins
+            self.path.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)))
+        barrier()
         if not self.path.is_file():
             return []
-        rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-        kept = {
-            int(r["step"]): r for r in rows if int(r["step"]) <= upto
-        }  # a step redone after the crash: last wins
-        if self.p.dist.is_main:
-            self.path.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)))
-        return [kept[s] for s in sorted(kept)]
+        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
 
     def mean(self, key: str) -> float:
         values = [h[key] for h in self.rows if key in h]

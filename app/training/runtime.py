@@ -22,7 +22,7 @@ import torch
 
 from app.config import Config, ConfigError, check_trainable, to_yaml
 from app.data import DataConfig, DatasetError, PromptRow, limit_prompt_lengths, load_split
-from app.evaluation import EvalResult, sample_and_score
+from app.evaluation import EvalResult, sample_and_score, stop_token_ids
 from app.rollout.base import Completion, SamplingParams
 from app.rollout.embedded import EmbeddedEngine
 from app.rollout.fleet import Fleet
@@ -381,9 +381,6 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     _check_tasks(cfg, sets.train.rows + sets.eval.rows)
 
     # Generation ends at EOS, and at the chat template's end-of-turn token when the tokenizer has one.
-    stop = {tokenizer.eos_token_id} | {
-        tokenizer.get_vocab()[t] for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
-    }
     engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
     fleet = make_fleet(cfg, engine_dir, dist, resume, tokenizer)
     runner: RewardRunner | None = None
@@ -446,7 +443,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
             temperature=r.temperature,
             top_p=r.top_p,
             n=r.group_size,
-            stop_token_ids=tuple(sorted(stop)),
+            stop_token_ids=stop_token_ids(tokenizer),
         ),
         resume=resume,
     )
