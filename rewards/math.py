@@ -174,6 +174,10 @@ def looks_like_math(text: str) -> bool:
 # ---------------------------------------------------------------- the verifier
 
 
+_DELIMITED = re.compile(r"(?<!\\)\$|\\\(|\\\[|\\boxed")
+"""Math delimiters of a formula math-verify can parse as it is: `$` (not an escaped dollar sign `\\$`, as in
+`\\$42`), `\\(`, `\\[`, `\\boxed`. Anything else is wrapped in `$...$` first."""
+
 _INTEGER = re.compile(r"[+-]?\d{1,64}")
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:\s*/\s*\d+)?|[+-]?\\[dt]?frac\{\d+\}\{\d+\}")
 
@@ -239,7 +243,7 @@ class MathVerifier:
 
     def _parse_formula(self, text: str) -> list:
         """Parse a bare formula as LaTeX (wrapped in $...$), falling back to a plain expression."""
-        if "$" in text or "\\(" in text or "\\[" in text or "\\boxed" in text:
+        if _DELIMITED.search(text):
             return self._parse(text, self._both)
         parsed = self._parse(f"${text}$", self._latex)
         if not any(not isinstance(p, str) for p in parsed):

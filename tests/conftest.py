@@ -22,3 +22,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# ------------------------------------------------------------------ the real pretrained model (make smollm2)
+
+
+def _under_ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _need_smollm2(path, what: str):
+    """`path` when it is there; else skip with the command that builds it, or fail under CI=true (CI builds it)."""
+    from app.convert import is_converted
+
+    ok = is_converted(path) if what == "model" else path.is_file()
+    if ok:
+        return path
+    reason = f"no {what} of SmolLM2-135M-Instruct at {path}; build the cache with: make smollm2"
+    if _under_ci():
+        pytest.fail(f"{reason} (CI runs it before the tests, so it must be there)", pytrace=False)
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """The converted SmolLM2-135M-Instruct Hugging Face directory in the trustbatch cache (`make smollm2`)."""
+    from app.convert import smollm2_paths
+
+    return _need_smollm2(smollm2_paths()["model"], "model")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct Q4_1 GGUF file that `make smollm2` keeps in the trustbatch cache."""
+    from app.convert import smollm2_paths
+
+    return _need_smollm2(smollm2_paths()["gguf"], "GGUF file")

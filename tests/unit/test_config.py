@@ -22,6 +22,39 @@ def test_base_yaml_equals_print_config_output():
     )
 
 
+@pytest.mark.parametrize(
+    ("env", "cache"),
+    [
+        ({"TRUSTBATCH_CACHE_DIR": "tb", "XDG_CACHE_HOME": "xdg"}, "tb"),
+        ({"XDG_CACHE_HOME": "xdg"}, "xdg/trustbatch"),
+        ({}, "home/.cache/trustbatch"),
+    ],
+)
+def test_smollm2_reasoning_config_loads_without_the_model(monkeypatch, tmp_path, env, cache):
+    from app.models import default_cache_dir
+
+    monkeypatch.delenv("TRUSTBATCH_CACHE_DIR", raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(tmp_path / value))
+    cfg = load_config(CONFIGS / "smollm2-reasoning.yaml")
+    # The directory `make smollm2` writes: the cache the model commands use (app/models.py), however it is set.
+    model = tmp_path / cache / "models" / "SmolLM2-135M-Instruct"
+    assert cfg.model.path == str(model) == str(default_cache_dir() / "models" / "SmolLM2-135M-Instruct")
+    assert not cfg.model.bootstrap
+    assert cfg.data.train == cfg.data.eval == "builtin:word_problems"
+    assert cfg.rollout.engine == "local" and cfg.rollout.max_new_tokens == 128
+    assert cfg.rollout.prompts_per_step * cfg.rollout.group_size <= 64  # sized for CPU
+    assert cfg.objective.name == "ess" and 1e-6 <= cfg.optim.lr <= 5e-6
+    assert [(v.name, v.tasks) for v in cfg.rewards.verifiers] == [("math", ["math"])]
+    assert 100 <= cfg.eval.num_prompts <= cfg.data.num_eval and cfg.eval.samples_per_prompt <= 4
+    assert 0 < cfg.checkpoint.every < cfg.run.steps
+    # Training names the missing model directory and the fix; print-config and loading never need it.
+    with pytest.raises(ConfigError, match=r"model\.path=.*SmolLM2-135M-Instruct' does not exist"):
+        check_trainable(cfg)
+
+
 def test_overrides_take_precedence_over_the_file():
     cfg = load_config(
         CONFIGS / "quickstart.yaml", ["optim.lr=1e-4", "run.steps=3", "objective.name=ppo_clip"]

@@ -329,7 +329,7 @@ def test_data_config_is_omegaconf_structured():
     assert cfg.num_train == 10 and asdict(cfg.arithmetic)["max_ops"] == 2
     with pytest.raises(ValueError, match=r"data\.arithmetic\.max_ops"):
         OmegaConf.to_object(OmegaConf.merge(merged, OmegaConf.from_dotlist(["arithmetic.max_ops=0"])))
-    assert set(BUILTIN_TASKS) == {"arithmetic"}
+    assert set(BUILTIN_TASKS) == {"arithmetic", "word_problems"}
 
 
 @pytest.mark.parametrize(

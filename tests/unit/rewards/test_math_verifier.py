@@ -58,6 +58,12 @@ CASES = [
     ("$\\pi$", "\\pi", True),
     ("3.14", "\\pi", False),
     ("\\boxed{x^2+2x+1}", "(x+1)^2", True),
+    # currency: an escaped dollar sign is a unit, not a math delimiter
+    ("\\boxed{\\$42}", "42", True),
+    ("\\boxed{\\$42.00}", "42", True),
+    ("The total is \\boxed{\\$42}.", "43", False),
+    ("$\\boxed{\\$42}$", "42", True),
+    ("\\boxed{$42}", "42", True),
     # huge numbers
     ("\\boxed{10^{100}}", "10^{100}", True),
     ("\\boxed{10^{100}+1}", "10^{100}", False),
