@@ -21,7 +21,7 @@ quickstart: setup
 
 # pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 tests
 
 # Real SGLang 0.5.23 on CPU in its own venv (.venv-sglang) for tests/sglang and bench/rollout_engines.py.
 sglang-env:

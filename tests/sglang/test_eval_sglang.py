@@ -4,8 +4,9 @@ The evaluation samples through app/evaluation.py `sample_and_score`, the code tr
 uses, with an SGLangClient in place of the in-process engine. Covered: the command end to end (a launched
 server, the table, the JSON) giving, at temperature 0, the same completions and scores as the embedded engine
 (both engines run the same float32 weights; their logprobs agree to ~5e-7, see test_generate.py, far from
-any argmax tie over these few tokens); sampled pass@k through the library call, with the server's log where
-it was asked to be, n draws per prompt and pass@k from the per-prompt counts.
+any argmax tie over these few tokens); sampled pass@k through the library call against running servers
+named by URL (the session's server: nothing launched), n draws per prompt and pass@k from the per-prompt
+counts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import pytest
 from app.evaluation import EngineOptions, EvalSettings, evaluate_model, pass_at_k
 from tests.integration.conftest import tiny_model_dir  # noqa: F401 - the bootstrapped tiny model fixture
 from tests.integration.model_refs import trustbatch
-from tests.sglang.conftest import SGLANG_PYTHON, sglang_env_missing
+from tests.sglang.conftest import SGLANG_PYTHON, client_config, sglang_env_missing
 
 pytestmark = pytest.mark.sglang
 
@@ -51,11 +52,11 @@ def test_eval_command_through_launched_sglang_matches_the_embedded_engine(tmp_pa
     assert result["metrics"]["pass@1"]["value"] == pytest.approx(embedded.pass_at[1].value)
 
 
-def test_sampled_pass_at_k_through_sglang(tmp_path, tiny_model_dir):  # noqa: F811
+def test_sampled_pass_at_k_through_running_sglang_servers(server, models):
+    # Servers named by rollout.sglang.urls (the session's server, holding models.v0): none is launched.
     settings = EvalSettings(k=4, num_prompts=6, temperature=1.0, max_new_tokens=8, seed=5, engine="sglang")
-    options = EngineOptions(sglang_python=str(SGLANG_PYTHON), log_dir=tmp_path / "logs")
-    report = evaluate_model(str(tiny_model_dir), settings, tracking_uri=NO_STORE, engine_options=options)
-    assert (tmp_path / "logs" / "sglang-0.log").is_file()
+    options = EngineOptions(sglang=client_config(server.url))
+    report = evaluate_model(str(models.v0), settings, tracking_uri=NO_STORE, engine_options=options)
     assert [len(group) for group in report.samples] == [4] * 6
     for i, group in enumerate(report.samples):
         assert all(s.prompt == i and 1 <= len(s.completion.output_ids) <= 8 for s in group)
