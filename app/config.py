@@ -268,8 +268,11 @@ class Config:
     same MLflow run. Empty: a new run."""
 
     def __post_init__(self) -> None:
-        # Cross-section rules: each names both keys and the fix.
-        if self.model.tiny.max_position_embeddings <= self.rollout.max_new_tokens:
+        # Cross-section rules: each names both keys and the fix. The context of a tiny model (built in code, or
+        # bootstrapped at model.path) is known here; a pretrained model's is checked against every prompt at
+        # start-up (data.on_long_prompt).
+        tiny = not self.model.path or self.model.bootstrap
+        if tiny and self.model.tiny.max_position_embeddings <= self.rollout.max_new_tokens:
             raise ValueError(
                 f"rollout.max_new_tokens={self.rollout.max_new_tokens} leaves no room for the prompt in "
                 f"model.tiny.max_position_embeddings={self.model.tiny.max_position_embeddings}: "

@@ -14,6 +14,12 @@ Every string of a row (keys included) must be valid Unicode text: a JSON escape 
 A bad row raises `DatasetError` naming the file, the 1-based row number (the line number for JSONL), the field
 and the fix; all bad rows of a file are reported together (the first 20 in the message).
 
+GSM8K files (`data.format=gsm8k`): rows `{"question": str, "answer": str}` as the GSM8K release writes them, the
+answer a worked solution ending in `#### <number>`. Each becomes a chat row (the word-problem system message below
+and the question as the user turn) whose `answer` is that final number (thousands separators removed); the
+solution text is kept in `metadata.solution`, other keys in `metadata`. A row without a final `#### <number>` is
+an error like any other bad row.
+
 Prompt length is checked once the tokenizer is known (`limit_prompt_lengths`, called by the run at start-up
 with the token ids the rollout engines get): a prompt that leaves fewer than `rollout.max_new_tokens` positions
 in the model's context stops the run there (`data.on_long_prompt=error`) or is dropped and counted (`drop`).
@@ -35,6 +41,7 @@ import hashlib
 import itertools
 import json
 import random
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -191,8 +198,15 @@ def _to_row(raw: dict, default_id: str, origin: str = "") -> PromptRow:
 # ---------------------------------------------------------------------------------------------- files
 
 
-def load_prompts(path: str | Path) -> list[PromptRow]:
-    """Read and validate every row of a .jsonl or .parquet file; raise DatasetError listing all bad rows."""
+FORMATS = ("rows", "gsm8k")
+
+
+def load_prompts(path: str | Path, format: str = "rows") -> list[PromptRow]:
+    """Read and validate every row of a .jsonl or .parquet file; raise DatasetError listing all bad rows.
+
+    ``format``: "rows" (the row schema of this module) or "gsm8k" (question / answer rows, see the module doc)."""
+    if format not in FORMATS:
+        raise ValueError(f"data.format={format!r}: choose one of {list(FORMATS)}")
     path = Path(path)
     if path.suffix not in FILE_EXTENSIONS:
         raise DatasetError(
@@ -209,7 +223,11 @@ def load_prompts(path: str | Path) -> list[PromptRow]:
     unit = "line" if path.suffix == ".jsonl" else "row"
     rows, errors = [], []
     for number, raw in raw_rows:
-        problems = _row_problems(raw)
+        if format == "gsm8k":
+            raw, problems = _gsm8k_row(raw)
+        else:
+            problems = []
+        problems = problems or _row_problems(raw)
         if problems:
             errors += [f"{path}: {unit} {number}: field '{name}' {why}" for name, why in problems]
         else:
@@ -219,6 +237,42 @@ def load_prompts(path: str | Path) -> list[PromptRow]:
         more = f"\n  ... and {len(errors) - len(shown)} more" if len(errors) > len(shown) else ""
         raise DatasetError(f"{path}: {len(errors)} invalid field(s):\n  " + "\n  ".join(shown) + more)
     return rows
+
+
+_GSM8K_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*\Z")
+
+
+def _gsm8k_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """A GSM8K row -> (a row of this module's schema, problems); the problems name GSM8K's own fields."""
+    if not isinstance(raw, dict):
+        return raw, [("(row)", f'must be a JSON object {{"question": ..., "answer": ...}}, got {describe(raw)}')]
+    question, solution = raw.get("question"), raw.get("answer")
+    problems = []
+    if not isinstance(question, str) or not question.strip():
+        problems.append(("question", f"must be a non-empty string (data.format=gsm8k), got {describe(question)}"))
+    final = _GSM8K_FINAL.search(solution.strip()) if isinstance(solution, str) else None
+    if final is None:
+        problems.append((
+            "answer",
+            f"must be a GSM8K solution ending in '#### <number>' (data.format=gsm8k), got {describe(solution)}",
+        ))  # fmt: skip
+    if problems:
+        return raw, problems
+    metadata = dict(raw.get("metadata") or {}) if isinstance(raw.get("metadata"), dict) else {}
+    metadata.update({k: v for k, v in raw.items() if k not in ("question", "answer", "metadata", "id")})
+    metadata["solution"] = solution
+    row = {
+        "messages": [
+            {"role": "system", "content": WORD_PROBLEM_INSTRUCTION},
+            {"role": "user", "content": question.strip()},
+        ],
+        "answer": final.group(1).replace(",", ""),
+        "task": "math",
+        "metadata": metadata,
+    }
+    if raw.get("id") is not None:
+        row["id"] = raw["id"]
+    return row, []
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
@@ -916,6 +970,9 @@ class DataConfig:
     """How many prompts a builtin train source generates (files are used whole)."""
     num_eval: int = 500
     """How many prompts a builtin eval source generates (files are used whole)."""
+    format: Literal["rows", "gsm8k"] = "rows"
+    """Schema of data.train / data.eval files: rows (this module's row schema) or gsm8k (GSM8K's
+    {"question", "answer": "... #### 42"} rows, posed as chat word problems with a \\boxed{} instruction)."""
     on_long_prompt: Literal["error", "drop"] = "error"
     """A prompt whose tokens (as the rollout engines get them: the chat template applied to `messages` rows)
     leave fewer than rollout.max_new_tokens positions in the model's context (max_position_embeddings).
@@ -937,6 +994,8 @@ class DataConfig:
                     f"data.{key}={source!r} is neither builtin:<task> nor a path ending in "
                     f"{' / '.join(FILE_EXTENSIONS)}; e.g. data.{key}=builtin:arithmetic or data.{key}=prompts.jsonl"
                 )
+        if self.format not in FORMATS:
+            raise ValueError(f"data.format={self.format!r}: choose one of {list(FORMATS)}")
         for key in ("num_train", "num_eval"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1")
@@ -948,7 +1007,7 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"]) -> list[PromptR
         raise ValueError(f"split={split!r} must be 'train' or 'eval'")
     source = cfg.train if split == "train" else cfg.eval
     if not source.startswith(BUILTIN_PREFIX):
-        return load_prompts(source)
+        return load_prompts(source, cfg.format)
     task = BUILTIN_TASKS[source[len(BUILTIN_PREFIX) :]]
     task_cfg = getattr(cfg, task.config_field)
     if split == "train":

@@ -118,6 +118,9 @@ class EvalResult:
     """Mean correctness of each prompt's samples (all prompts, in order)."""
     samples: int
     """Completions the estimate uses (prompts x samples per prompt)."""
+    answer_rate: float | None = None
+    """Share of the completions in which a verifier found an answer to judge (`Sample.answered`): format
+    compliance, whether or not the answer is right. None when no verifier reports extraction."""
 
     @property
     def accuracy(self) -> float:
@@ -133,8 +136,12 @@ class EvalResult:
     ) -> EvalResult:
         """Each prompt's share of correct samples; ``samples`` are this rank's, the counts are summed over
         ranks (every rank must call this, in the same order)."""
+        correct = correct_counts(samples, num_prompts, reducer)
+        answered, judged = _counts(samples, num_prompts, lambda s: s.answered, reducer)
         return cls(
-            per_prompt=[c / n for c in correct_counts(samples, num_prompts, reducer)], samples=num_prompts * n
+            per_prompt=[c / n for c in correct],
+            samples=num_prompts * n,
+            answer_rate=sum(answered) / judged if judged else None,
         )
 
 
@@ -202,6 +209,13 @@ class Sample:
     def correct(self) -> bool:
         return bool(self.score.correct) and self.score.error is None
 
+    @property
+    def answered(self) -> bool | None:
+        """Whether a verifier found an answer to judge (math: one in a form of params.extraction, e.g. a
+        ``\\boxed{}``): format compliance, apart from correctness. None when no verifier reports extraction."""
+        reports = [v["extracted"] for v in self.score.breakdown.values() if isinstance(v, dict) and "extracted" in v]
+        return any(r is not None for r in reports) if reports else None
+
 
 @dataclass
 class Scored:
@@ -216,11 +230,23 @@ class Scored:
 
 def correct_counts(samples: list[Sample], num_prompts: int, reducer: Reducer | None = None) -> list[int]:
     """Correct samples of each prompt, summed over ranks (a collective under torchrun)."""
-    correct = torch.zeros(num_prompts, dtype=torch.float64)
+    return _counts(samples, num_prompts, lambda s: s.correct, reducer)[0]
+
+
+def _counts(
+    samples: list[Sample], num_prompts: int, flag: Callable[[Sample], bool | None], reducer: Reducer | None
+) -> tuple[list[int], int]:
+    """Per prompt, the samples for which ``flag`` holds, and the number of samples it was defined for, summed
+    over ranks (one collective)."""
+    counts = torch.zeros(num_prompts + 1, dtype=torch.float64)
     for sample in samples:
-        correct[sample.prompt] += float(sample.correct)
-    (reducer or LocalReducer()).sum_(correct)
-    return [int(c) for c in correct.tolist()]
+        value = flag(sample)
+        if value is not None:
+            counts[sample.prompt] += float(value)
+            counts[num_prompts] += 1.0
+    (reducer or LocalReducer()).sum_(counts)
+    values = [int(c) for c in counts.tolist()]
+    return values[:num_prompts], values[num_prompts]
 
 
 def blocking(
@@ -479,6 +505,13 @@ class EvalReport:
         flat = [len(s.completion.output_ids) for group in self.samples for s in group]
         return sum(flat) / len(flat)
 
+    @property
+    def answer_rate(self) -> float | None:
+        """Share of completions with an answer a verifier could judge (`Sample.answered`), or None."""
+        flags = [s.answered for group in self.samples for s in group]
+        judged = [f for f in flags if f is not None]
+        return sum(judged) / len(judged) if judged else None
+
     def metrics(self) -> dict[str, float]:
         """Flat metric names as logged to MLflow (MLflow names allow no '@')."""
         out = {}
@@ -488,6 +521,8 @@ class EvalReport:
                 out[f"eval/pass_at_{k}/stderr"] = result.stderr
         out["eval/reward_error_rate"] = self.error_rate
         out["eval/completion_tokens/mean"] = self.mean_completion_tokens
+        if self.answer_rate is not None:
+            out["eval/answer_rate"] = self.answer_rate
         out["eval/num_prompts"] = float(len(self.rows))
         out["eval/dropped_long_prompts"] = float(self.dropped_long_prompts)
         for key, value in self.timings.items():
@@ -513,6 +548,7 @@ class EvalReport:
                 for k, r in self.pass_at.items()
             },
             "reward_error_rate": self.error_rate,
+            "answer_rate": self.answer_rate,
             "completion_tokens_mean": self.mean_completion_tokens,
             "timings": self.timings,
             "tracking_uri": self.tracking_uri,
@@ -798,6 +834,8 @@ def results_table(report: EvalReport):
     for k, result in report.pass_at.items():
         stderr = f"{100 * result.stderr:.2f}" if math.isfinite(result.stderr) else "-"
         table.add_row(f"pass@{k}", f"{100 * result.value:.2f}%", stderr)
+    if report.answer_rate is not None:
+        table.add_row("answer found (format)", f"{100 * report.answer_rate:.2f}%", "")
     table.add_row("verifier error rate", f"{100 * report.error_rate:.2f}%", "")
     table.add_row("completion tokens (mean)", f"{report.mean_completion_tokens:.1f}", "")
     timings = report.timings

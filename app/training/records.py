@@ -250,6 +250,10 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
         "eval_samples": before["sampled"].samples,
         "initial_greedy_accuracy": before["greedy"].accuracy if "greedy" in before else None,
         "final_greedy_accuracy": after["greedy"].accuracy if "greedy" in after else None,
+        "initial_answer_rate": before["sampled"].answer_rate,
+        "final_answer_rate": after["sampled"].answer_rate,
+        "initial_greedy_answer_rate": before["greedy"].answer_rate if "greedy" in before else None,
+        "final_greedy_answer_rate": after["greedy"].answer_rate if "greedy" in after else None,
         "steps": last,
         "max_lag": cfg.rollout.max_lag,
         "mean_policy_lag": sum(lags) / len(lags) if lags else 0.0,
@@ -303,6 +307,14 @@ def summary_lines(summary: dict) -> list[str]:
         f" {summary['eval_samples']} samples each)",
         f"held-out greedy accuracy: {pct(summary['initial_greedy_accuracy'])} → "
         f"{pct(summary['final_greedy_accuracy'])}",
+        *(
+            [
+                f"held-out answer found (format), sampled: {pct(summary['initial_answer_rate'])} → "
+                f"{pct(summary['final_answer_rate'])}"
+            ]
+            if summary.get("initial_answer_rate") is not None
+            else []
+        ),
         f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s (max_lag {summary['max_lag']}, "
         f"mean lag {summary['mean_policy_lag']:.2f}, {summary['dropped_groups']} groups dropped), "
         f"wall {summary['wall_s']:.0f} s",

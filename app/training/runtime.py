@@ -484,8 +484,13 @@ class Evaluator:
             "eval/accuracy_se": sampled.stderr,
             "eval/samples": sampled.samples,
         }
+        if sampled.answer_rate is not None:
+            out["eval/answer_rate"] = sampled.answer_rate
         if "greedy" in self.results[step]:
-            out["eval/greedy_accuracy"] = self.results[step]["greedy"].accuracy
+            greedy = self.results[step]["greedy"]
+            out["eval/greedy_accuracy"] = greedy.accuracy
+            if greedy.answer_rate is not None:
+                out["eval/greedy_answer_rate"] = greedy.answer_rate
         out["timing/eval"] = time.perf_counter() - t0
         p.tracker.log_metrics(out, step=step)
         self.history.append(out)
@@ -496,7 +501,8 @@ class Evaluator:
         return {
             "evals": {
                 str(step): {
-                    name: {"per_prompt": r.per_prompt, "samples": r.samples} for name, r in runs.items()
+                    name: {"per_prompt": r.per_prompt, "samples": r.samples, "answer_rate": r.answer_rate}
+                    for name, r in runs.items()
                 }
                 for step, runs in self.results.items()
             },

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a CUDA machine: one venv with real SGLang 0.5.23 (it brings its CUDA torch 2.14.1 and transformers 5.19.0,
 # which trustbatch's own ranges accept) plus trustbatch, then the GPU tests: tests/gpu/test_sglang_gpu.py
-# (generate + logprobs, update from disk, update over NCCL with 2+ GPUs) and tests/gpu/test_cuda_step.py.
+# (generate + logprobs, update from disk, update over NCCL with 2+ GPUs), tests/gpu/test_cuda_step.py and
+# tests/gpu/test_hub_model_gpu.py (configs/qwen2.5-0.5b-gsm8k.yaml: smoke steps, serve, eval; it needs the model
+# locally: TRUSTBATCH_QWEN_DIR=<HF dir>, or Qwen/Qwen2.5-0.5B-Instruct in the hub cache; GSM8K_DIR optional).
 # Without the CPU shims of tests/sglang/cpu_env: sgl_kernel, flashinfer and NCCL are the real ones.
 #
 #   bash tests/gpu/run_sglang_gpu.sh [extra pytest args]

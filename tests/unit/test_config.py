@@ -46,13 +46,31 @@ def test_smollm2_reasoning_config_loads_without_the_model(monkeypatch, tmp_path,
     assert cfg.data.train == cfg.data.eval == "builtin:word_problems"
     assert cfg.rollout.engine == "local" and cfg.rollout.max_new_tokens == 128
     assert cfg.rollout.prompts_per_step * cfg.rollout.group_size <= 64  # sized for CPU
-    assert cfg.objective.name == "ess" and 1e-6 <= cfg.optim.lr <= 5e-6
-    assert [(v.name, v.tasks) for v in cfg.rewards.verifiers] == [("math", ["math"])]
+    assert cfg.objective.name == "ess" and 1e-6 <= cfg.optim.lr <= 2e-5
+    assert 0 < cfg.run.time_limit_s <= 1800  # the documented learning run: at most 30 minutes of RL
+    # correctness is math's (the first verifier decides); format is a small shaping term beside it
+    assert [(v.name, v.tasks) for v in cfg.rewards.verifiers] == [("math", ["math"]), ("format", ["math"])]
+    assert cfg.rewards.verifiers[1].weight < cfg.rewards.verifiers[0].weight
     assert 100 <= cfg.eval.num_prompts <= cfg.data.num_eval and cfg.eval.samples_per_prompt <= 4
     assert 0 < cfg.checkpoint.every < cfg.run.steps
     # Training names the missing model directory and the fix; print-config and loading never need it.
     with pytest.raises(ConfigError, match=r"model\.path=.*SmolLM2-135M-Instruct' does not exist"):
         check_trainable(cfg)
+
+
+def test_qwen_gsm8k_gpu_config_loads_and_names_its_missing_data(monkeypatch, tmp_path):
+    monkeypatch.delenv("TRUSTBATCH_QWEN_DIR", raising=False)
+    monkeypatch.setenv("GSM8K_DIR", str(tmp_path / "gsm8k"))
+    cfg = load_config(CONFIGS / "qwen2.5-0.5b-gsm8k.yaml")
+    assert cfg.model.path == "Qwen/Qwen2.5-0.5B-Instruct" and cfg.model.dtype == "bfloat16"
+    assert cfg.data.format == "gsm8k" and cfg.data.train == str(tmp_path / "gsm8k" / "train.jsonl")
+    assert cfg.rollout.engine == "sglang" and cfg.rollout.sglang.launch.num_servers == 1
+    assert cfg.rollout.sglang.weight_sync.method == "disk"  # one GPU for trainer and server
+    assert cfg.rollout.max_new_tokens == 512  # beyond the tiny model's context, which a hub model does not have
+    from app.data import DatasetError, load_split
+
+    with pytest.raises(DatasetError, match=r"gsm8k/train\.jsonl: no such file"):
+        load_split(cfg.data, "train")
 
 
 def test_overrides_take_precedence_over_the_file():

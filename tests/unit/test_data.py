@@ -358,3 +358,44 @@ def test_on_long_prompt_takes_error_or_drop():
     assert OmegaConf.to_object(OmegaConf.merge(base, {"on_long_prompt": "drop"})).on_long_prompt == "drop"
     with pytest.raises(Exception, match="truncate"):
         OmegaConf.merge(base, {"on_long_prompt": "truncate"})
+
+
+# ---------------------------------------------------------------------------------------------- GSM8K files
+
+GSM8K_FIXTURE = Path(__file__).parent.parent / "fixtures" / "gsm8k_small.jsonl"
+
+
+def test_gsm8k_rows_become_chat_word_problems_with_the_final_number_as_answer():
+    from app.data import WORD_PROBLEM_INSTRUCTION
+
+    rows = load_prompts(GSM8K_FIXTURE, "gsm8k")
+    assert [r.answer for r in rows] == ["72", "10", "1450", "5"]
+    first = rows[0]
+    assert first.prompt is None and first.task == "math" and first.id == "gsm8k_small.jsonl:1"
+    assert first.messages == [
+        {"role": "system", "content": WORD_PROBLEM_INSTRUCTION},
+        {"role": "user", "content": json.loads(GSM8K_FIXTURE.read_text().splitlines()[0])["question"]},
+    ]
+    assert first.metadata["solution"].endswith("#### 72")
+    cfg = DataConfig(train=str(GSM8K_FIXTURE), eval=str(GSM8K_FIXTURE), format="gsm8k")
+    assert [r.answer for r in load_split(cfg, "eval")] == ["72", "10", "1450", "5"]
+
+
+def test_gsm8k_rows_without_a_final_number_are_reported_with_their_lines(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [
+        {"question": "How many?", "answer": "It is 4.\n#### 4"},
+        {"question": "How many?", "answer": "no final line"},
+        {"question": "", "answer": "#### 3"},
+        {"prompt": "1+1=", "answer": "2"},
+        ["not", "an", "object"],
+    ])  # fmt: skip
+    with pytest.raises(DatasetError) as err:
+        load_prompts(path, "gsm8k")
+    message = str(err.value)
+    assert "5 invalid field(s)" in message
+    assert "line 2: field 'answer' must be a GSM8K solution ending in '#### <number>'" in message
+    assert "line 3: field 'question' must be a non-empty string" in message
+    assert "line 4: field 'question'" in message and "line 4: field 'answer'" in message  # a plain row
+    assert "line 5: field '(row)' must be a JSON object" in message
+    with pytest.raises(ValueError, match="data.format='gsm'"):
+        DataConfig(format="gsm")

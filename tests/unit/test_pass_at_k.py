@@ -89,3 +89,32 @@ def test_reported_ks_are_one_the_powers_of_two_below_k_and_k():
 def test_bad_settings_name_the_option(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
         EvalSettings(**kwargs)
+
+
+def test_answer_rate_counts_completions_with_an_extracted_answer_apart_from_correctness():
+    """Format compliance: a boxed answer present, right or wrong; a verifier reporting no extraction is None."""
+    from app.evaluation import EvalResult, Sample
+    from app.rollout.base import Completion
+    from rewards.registry import build_verifier
+    from rewards.types import Score, VerifierInput
+
+    math_verifier = build_verifier("math", extraction=["boxed"], timeout_s=5.0)
+
+    def sample(prompt: int, text: str) -> Sample:
+        s = math_verifier(VerifierInput("q", text, "42", {"task": "math"}))
+        breakdown = {"math": {**s.breakdown, "reward": s.reward, "correct": s.correct}}  # as the runner nests it
+        return Sample(prompt, Completion([1], [2], [0.0], "stop", 0), text, Score(s.reward, s.correct, breakdown))
+
+    samples = [
+        sample(0, "so \\boxed{42}"),  # answered, correct
+        sample(0, "so \\boxed{41}"),  # answered, wrong
+        sample(1, "the answer is 42"),  # no box: not answered (and not correct under extraction [boxed])
+        sample(1, "\\boxed{42.0}"),
+    ]
+    assert [s.answered for s in samples] == [True, True, False, True]
+    assert [s.correct for s in samples] == [True, False, False, True]
+    result = EvalResult.from_samples(samples, num_prompts=2, n=2)
+    assert result.per_prompt == [0.5, 0.5] and result.answer_rate == 0.75
+    plain = Sample(0, Completion([1], [2], [0.0], "stop", 0), "x", Score(1.0, True, {"exact": {"reward": 1.0}}))
+    assert plain.answered is None
+    assert EvalResult.from_samples([plain], num_prompts=1, n=1).answer_rate is None

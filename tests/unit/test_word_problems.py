@@ -275,7 +275,7 @@ def test_a_builtin_source_configured_through_omegaconf():
 @pytest.fixture(scope="module")
 def verifiers():
     """The math verifier as configs/smollm2-reasoning.yaml builds it (only \\boxed{} answers), and by default."""
-    (spec,) = load_config(SMOLLM2).rewards.verifiers
+    spec = load_config(SMOLLM2).rewards.verifiers[0]
     assert spec.name == "math" and spec.tasks == ["math"]
     return build_verifier("math", **dict(spec.params), timeout_s=3.0), build_verifier("math", timeout_s=3.0)
 
