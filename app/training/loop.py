@@ -37,7 +37,7 @@ from app.rollout.fleet import PublishHooks
 from app.scoring import score_texts
 from app.training.batching import build_train_batch
 from app.training.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
-from app.training.records import Group, History, Ticket, Utilisation, checkpoint, finish, step_metrics
+from app.training.records import Group, History, Ticket, Utilisation, checkpoint, finish, rate, step_metrics
 from app.training.runtime import Evaluator, Parts, PromptSampler, completions_version, find_resume, setup
 from trainer.advantages import group_advantages, informative_groups
 from trainer.step import TrainBatch, train_step
@@ -119,7 +119,7 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
                 acc=f"{100 * evaluator.history[-1]['eval/accuracy']:.1f}",
                 ess=f"{metrics['loss/ess']:.3f}",
                 lag=f"{metrics['rollout/policy_lag/mean']:.1f}",
-                sps=f"{metrics['throughput/samples_per_s']:.0f}",
+                sps=rate(metrics["throughput/samples_per_s"]),
             )
             if out_of_time:
                 log.info("run.time_limit_s=%g reached after step %d", cfg.run.time_limit_s, step)

@@ -34,7 +34,8 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
     if evals and all("eval/answer_rate" in e for e in evals):
         axes[1].plot(eval_steps, [100 * e["eval/answer_rate"] for e in evals], marker="^", ls="--",
                      label="answer found (format, sampled)")  # fmt: skip
-    axes[1].set_title("held-out accuracy (%)")
+    answered = bool(evals) and all("eval/answer_rate" in e for e in evals)
+    axes[1].set_title("held-out accuracy, answer found (%)" if answered else "held-out accuracy (%)")
     axes[1].set_xlabel("step")
     axes[1].legend()
 

@@ -293,6 +293,11 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
     return summary
 
 
+def rate(per_s: float) -> str:
+    """A throughput for people: whole numbers from 10 up, two decimals below (a real model on CPU: 0.36/s)."""
+    return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2f}"
+
+
 def summary_lines(summary: dict) -> list[str]:
     """What `trustbatch train` prints at the end."""
 
@@ -315,7 +320,7 @@ def summary_lines(summary: dict) -> list[str]:
             if summary.get("initial_answer_rate") is not None
             else []
         ),
-        f"{summary['steps']} steps, {summary['samples_per_s']:.0f} samples/s (max_lag {summary['max_lag']}, "
+        f"{summary['steps']} steps, {rate(summary['samples_per_s'])} samples/s (max_lag {summary['max_lag']}, "
         f"mean lag {summary['mean_policy_lag']:.2f}, {summary['dropped_groups']} groups dropped), "
         f"wall {summary['wall_s']:.0f} s",
         f"rollout busy {100 * summary['rollout_utilisation']:.0f}% / train busy "
