@@ -330,3 +330,40 @@ def test_every_template_has_a_rendered_example():
     for text in by_template.values():
         assert "{" not in text and "}" not in text  # every blank filled
         assert not re.search(r"\b1 (hours|years)\b", text)
+
+
+# The greedy answer of the step-21 checkpoint of the first 30-minute run, whose shaping term paid for any boxed
+# number: it had learnt to box every number it wrote (and the last box, which math judges, was wrong).
+GAMED = (
+    "Quinn buys 5 pens for \\boxed{12} each, so she has \\boxed{12} pens.\nShe has 28 cousins, so she has "
+    "\\boxed{28} cousins.\nThe total amount of money she spends is \\boxed{28} minutes * \\boxed{21} = 680 dollars."
+)
+
+
+@pytest.mark.parametrize(
+    ("completion", "paid"),
+    [
+        ("5 * 6 = 30 and 7 * 2 = 14, so the total is \\boxed{44}.", True),
+        ("\\boxed{44}", True),
+        ("The answer is \\boxed{\\$1,200} dollars.\n", True),
+        ("\\boxed{44} and then more reasoning without a box", True),  # one box, wherever it stands
+        (GAMED, False),
+        ("\\boxed{41} no wait \\boxed{44}", False),
+        ("\\boxed{}", False),
+        ("\\boxed{forty-four}", False),
+        ("the answer is 44", False),
+    ],
+)
+def test_the_configs_format_shaping_pays_for_exactly_one_boxed_number(completion, paid):
+    spec = load_config(SMOLLM2).rewards.verifiers[1]
+    assert spec.name == "format" and spec.weight < 1.0 and spec.params["full_match"] is True
+    verify = build_verifier("format", **dict(spec.params))
+    assert verify(VerifierInput("q", completion, "44", {"task": "math"})).reward == (1.0 if paid else 0.0)
+
+
+def test_the_configs_format_pattern_refuses_box_spam_and_long_repetition_loops():
+    """Repetition loops of boxes (where the gamed policy was heading) earn nothing, however long."""
+    spec = load_config(SMOLLM2).rewards.verifiers[1]
+    verify = build_verifier("format", **dict(spec.params))
+    for spam in ("\\boxed{1} " * 6000, "\\boxed{1" * 8000, "\\boxed{1} " + "x" * 60000 + " \\boxed{2}"):
+        assert verify(VerifierInput("q", spam, "1", {"task": "math"})).reward == 0.0
