@@ -18,3 +18,21 @@ def random_qwen2(seed: int = 0, *, vocab_size: int = 64, **config) -> Qwen2ForCa
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return Qwen2ForCausalLM(config).eval()
+
+
+def wait_for_health(process, url: str, log_path, *, timeout_s: float, what: str = "the server") -> None:
+    """Poll ``url``/health until it answers 200; fail with the log's tail if ``process`` exits or time runs out."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert process.poll() is None, f"{what} exited: " + log_path.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"{what} did not come up in {timeout_s:g} s: " + log_path.read_text()[-4000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)

@@ -20,11 +20,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import wait_for_health
 
 pytestmark = pytest.mark.gpu
 
@@ -111,7 +112,6 @@ def test_smoke_steps_of_the_gpu_config_train_and_register(trained):
 
 
 def test_serve_the_checkpoint_with_sglang_answers_chat(trained, setup):
-    import httpx
     import openai
 
     from app.rollout.process import free_port
@@ -125,15 +125,8 @@ def test_serve_the_checkpoint_with_sglang_answers_chat(trained, setup):
             cwd=REPO, env=setup["env"], stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:
-            url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 900
-            while True:
-                assert process.poll() is None, log_path.read_text()[-4000:]
-                assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    time.sleep(1)
+            url = f"http://127.0.0.1:{port}"
+            wait_for_health(process, url, log_path, timeout_s=900, what="trustbatch serve --engine sglang")
             with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
                 [model] = client.models.list().data
                 out = client.chat.completions.create(

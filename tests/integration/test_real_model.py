@@ -18,11 +18,9 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from mlflow import MlflowClient
@@ -31,6 +29,7 @@ from transformers import AutoTokenizer
 
 from app.config import load_config
 from app.training.loop import run
+from tests.helpers import wait_for_health
 from trainer.model import encode_prompt
 
 from .conftest import REPO
@@ -187,15 +186,7 @@ def served(trained, tmp_path_factory):
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log_path.read_text()
-            assert time.monotonic() < deadline, "the server did not come up: " + log_path.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_for_health(process, url, log_path, timeout_s=300)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300) as client:
             yield client
     finally:

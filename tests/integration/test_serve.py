@@ -28,6 +28,7 @@ from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
 from app.serving.openai import create_openai_app
 from app.serving.server import build_app, choose_engine, served_name, sglang_command
+from tests.helpers import wait_for_health
 from trainer.model import encode_prompt
 
 from .conftest import REPO
@@ -560,17 +561,7 @@ def test_serve_command_resolves_and_serves_a_registered_model(registry, tmp_path
     )
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            assert process.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() < deadline, (
-                "the server did not come up: " + (tmp_path / "serve.log").read_text()
-            )
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        wait_for_health(process, url, tmp_path / "serve.log", timeout_s=180)
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as client:
             # Served as the reference without its scheme (SGLang refuses a colon); the reference works too.
             assert [m.id for m in client.models.list().data] == [f"{registry.name}@best"]
@@ -632,16 +623,7 @@ def test_serve_command_with_the_sglang_engine_answers_like_the_builtin_one(
         )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "SGLang did not come up: " + log_path.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_for_health(process, url, log_path, timeout_s=300, what="SGLang")
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
             assert [m.id for m in client.models.list().data] == ["tiny-sglang"]
             out = client.completions.create(model="tiny-sglang", prompt="45+38=", max_tokens=8, temperature=0)

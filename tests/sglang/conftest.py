@@ -67,17 +67,23 @@ def models(tmp_path_factory) -> Models:
     return Models(*dirs)
 
 
-@pytest.fixture(scope="session")
-def session_server(models, tmp_path_factory):
-    """One real SGLang server (CPU, float32, fixed seed) serving `models.v0` as weight version 0."""
+def launch_cpu_server(model_dir: Path, log_dir: Path, **overrides):
+    """One real SGLang server (CPU, float32, fixed seed) serving ``model_dir`` as weight version 0."""
     reason = sglang_env_missing()
     if reason is not None:
         pytest.fail(f"CI must run the real-SGLang tests: {reason}")  # reached only under CI=true
     from app.rollout.sglang_server import SGLangLaunchConfig, launch_servers
 
     cfg = SGLangLaunchConfig(num_servers=1, python=str(SGLANG_PYTHON), cpu=True, dtype="float32", random_seed=0,
-                             startup_timeout_s=300)  # fmt: skip
-    [server] = launch_servers(cfg, models.v0, tmp_path_factory.mktemp("sglang-logs"), weight_version=0)
+                             startup_timeout_s=300, **overrides)  # fmt: skip
+    [server] = launch_servers(cfg, model_dir, log_dir, weight_version=0)
+    return server
+
+
+@pytest.fixture(scope="session")
+def session_server(models, tmp_path_factory):
+    """One real SGLang server (CPU, float32, fixed seed) serving `models.v0` as weight version 0."""
+    server = launch_cpu_server(models.v0, tmp_path_factory.mktemp("sglang-logs"))
     yield server
     server.stop()
 
@@ -114,3 +120,27 @@ def run_with_client(url: str, coro_fn, **client_kwargs):
             return await coro_fn(client)
 
     return asyncio.run(main())
+
+
+def load_model(path):
+    """An HF checkpoint in float32, in eval mode (the trainer's view of the weights a server was given)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def worst_logprob_gap(completions, model) -> float:
+    """The largest |engine behaviour logprob - trainer logprob| over every generated token."""
+    import torch
+
+    from trainer.logprobs import token_logprobs
+
+    worst = 0.0
+    for completion in completions:
+        ids = torch.tensor([completion.prompt_ids + completion.output_ids])
+        with torch.no_grad():
+            logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)
+        gap = (logprobs[0, len(completion.prompt_ids) :] - torch.tensor(completion.output_logprobs)).abs().max()
+        worst = max(worst, gap.item())
+    return worst

@@ -22,8 +22,7 @@ import torch
 from app.rollout.base import SamplingParams, WeightSource
 from app.rollout.joint import gather_weights
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig
-from tests.sglang.conftest import SGLANG_PYTHON, run_with_client, sglang_env_missing
-from trainer.logprobs import token_logprobs
+from tests.sglang.conftest import launch_cpu_server, load_model, run_with_client, worst_logprob_gap
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 
@@ -35,12 +34,6 @@ QUESTIONS = [
     "Ava buys 3 pens for $4 each. How many dollars does she spend?",
     "Name a prime number larger than 10.",
 ]
-
-
-def load(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +62,7 @@ def sampling(tokenizer) -> SamplingParams:
 @pytest.fixture(scope="module")
 def perturbed(smollm2_dir, tmp_path_factory):
     """SmolLM2 with every weight scaled by 1 + 0.05 * noise (seeded), saved as a second HF directory."""
-    model = load(smollm2_dir)
+    model = load_model(smollm2_dir)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for param in model.parameters():
@@ -81,28 +74,9 @@ def perturbed(smollm2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_server(smollm2_dir, tmp_path_factory):
-    reason = sglang_env_missing()
-    if reason is not None:
-        pytest.fail(f"CI must run the real-SGLang tests: {reason}")  # reached only under CI=true
-    from app.rollout.sglang_server import SGLangLaunchConfig, launch_servers
-
-    cfg = SGLangLaunchConfig(num_servers=1, python=str(SGLANG_PYTHON), cpu=True, dtype="float32", random_seed=0,
-                             max_total_tokens=4096, startup_timeout_s=300)  # fmt: skip
-    [server] = launch_servers(cfg, smollm2_dir, tmp_path_factory.mktemp("sglang-llama-logs"), weight_version=0)
+    server = launch_cpu_server(smollm2_dir, tmp_path_factory.mktemp("sglang-llama-logs"), max_total_tokens=4096)
     yield server
     server.stop()
-
-
-def logprob_gap(completions, model) -> float:
-    """The largest |engine logprob - trainer logprob| over every generated token."""
-    worst = 0.0
-    for completion in completions:
-        ids = torch.tensor([completion.prompt_ids + completion.output_ids])
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)
-        gap = (logprobs[0, len(completion.prompt_ids) :] - torch.tensor(completion.output_logprobs)).abs().max()
-        worst = max(worst, gap.item())
-    return worst
 
 
 def test_sglang_generates_from_the_converted_llama_with_the_trainers_logprobs(
@@ -119,7 +93,7 @@ def test_sglang_generates_from_the_converted_llama_with_the_trainers_logprobs(
             assert c.output_ids[-1] in sampling.stop_token_ids
     text = tokenizer.decode(completions[0].output_ids, skip_special_tokens=True)
     assert text.strip(), "the pretrained model produced no text"
-    gap = logprob_gap(completions, load(smollm2_dir))
+    gap = worst_logprob_gap(completions, load_model(smollm2_dir))
     print(f"SmolLM2 on SGLang CPU: worst behaviour-vs-trainer logprob gap {gap:.2e} nats")
     assert gap < LOGPROB_TOLERANCE
 
@@ -128,7 +102,7 @@ def test_sglang_llama_takes_weight_updates_from_disk_and_over_gloo(
     llama_server, smollm2_dir, perturbed, prompts, sampling
 ):
     perturbed_dir, perturbed_model = perturbed
-    original = load(smollm2_dir)
+    original = load_model(smollm2_dir)
     cfg = WeightSyncConfig(method="distributed", backend="gloo", bucket_mb=64.0, timeout_s=300)
 
     async def go(client):
@@ -152,11 +126,11 @@ def test_sglang_llama_takes_weight_updates_from_disk_and_over_gloo(
     assert {c.policy_version for c in over_gloo} == {3}
     assert final_version == "0"
     gaps = {
-        "disk -> perturbed": logprob_gap(from_disk, perturbed_model),
-        "gloo -> original": logprob_gap(restored, original),
-        "gloo -> perturbed": logprob_gap(over_gloo, perturbed_model),
+        "disk -> perturbed": worst_logprob_gap(from_disk, perturbed_model),
+        "gloo -> original": worst_logprob_gap(restored, original),
+        "gloo -> perturbed": worst_logprob_gap(over_gloo, perturbed_model),
     }
     print("SmolLM2 on SGLang CPU, after updates:", {k: f"{v:.2e}" for k, v in gaps.items()})
     assert max(gaps.values()) < LOGPROB_TOLERANCE
-    assert logprob_gap(from_disk, original) > MOVED  # the update did change the served weights
-    assert logprob_gap(restored, perturbed_model) > MOVED
+    assert worst_logprob_gap(from_disk, original) > MOVED  # the update did change the served weights
+    assert worst_logprob_gap(restored, perturbed_model) > MOVED

@@ -26,13 +26,11 @@ import json
 
 import httpx
 import pytest
-import torch
 
 from app.rollout.base import SamplingParams, WeightSource
 from app.rollout.joint import gather_weights
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, init_weights_update_group
-from tests.sglang.conftest import run_with_client
-from trainer.logprobs import token_logprobs
+from tests.sglang.conftest import load_model, run_with_client, worst_logprob_gap
 
 pytestmark = pytest.mark.sglang
 
@@ -48,25 +46,6 @@ def outputs(completions) -> list:
     return [(c.output_ids, [round(lp, 4) for lp in c.output_logprobs]) for c in completions]
 
 
-def load(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def worst_logprob_gap(completions, model) -> float:
-    worst = 0.0
-    for completion in completions:
-        ids = torch.tensor([completion.prompt_ids + completion.output_ids])
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)
-        gap = (
-            (logprobs[0, len(completion.prompt_ids) :] - torch.tensor(completion.output_logprobs)).abs().max()
-        )
-        worst = max(worst, gap.item())
-    return worst
-
-
 def test_update_from_disk_changes_outputs_and_version(server, models):
     async def go(client):
         before = await client.generate(PROMPTS, SAMPLED)
@@ -79,12 +58,12 @@ def test_update_from_disk_changes_outputs_and_version(server, models):
     assert {c.policy_version for c in before} == {0}
     assert {c.policy_version for c in sampled} == {5}
     assert info["weight_version"] == "5" and info["model_path"] == str(models.v1)
-    assert worst_logprob_gap(sampled, load(models.v1)) < LOGPROB_TOLERANCE
+    assert worst_logprob_gap(sampled, load_model(models.v1)) < LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize("bucket_mb", [0.05, 1024.0], ids=["several-buckets", "one-bucket"])
 def test_update_from_distributed_gloo_changes_outputs_and_version(server, models, bucket_mb):
-    new_model, old_model = load(models.v1), load(models.v0)
+    new_model, old_model = load_model(models.v1), load_model(models.v0)
     cfg = WeightSyncConfig(method="distributed", backend="gloo", bucket_mb=bucket_mb, timeout_s=120)
 
     async def go(client):
@@ -170,7 +149,7 @@ async def stream_long_request(url: str, on_started, *, check_midway=None):
 
 @pytest.mark.parametrize("method", ["disk", "distributed"])
 def test_update_waits_for_the_request_in_flight(server, models, method):
-    new_model = load(models.v1)
+    new_model = load_model(models.v1)
 
     async def go(client):
         sync = None
