@@ -42,6 +42,8 @@ from torch import Tensor
 
 ObjectiveName = Literal["ess", "ppo_clip", "reinforce"]
 OBJECTIVE_NAMES: tuple[str, ...] = ("ess", "ppo_clip", "reinforce")
+BehaviourKL = Literal["k3", "k2", "k3_capped"]
+BEHAVIOUR_KL_NAMES: tuple[str, ...] = ("k3", "k2", "k3_capped")
 
 # Bound on exp() arguments inside the k3 KL estimator (trainer/README.md).
 _KL_EXP_CLAMP = 10.0
@@ -69,13 +71,26 @@ class ObjectiveConfig:
     max_log_ratio: float = 20.0
     """|logprob - behaviour logprob| is clamped to this before exp(), so ratios stay finite in float32."""
 
+    behaviour_kl: BehaviourKL = "k3"
+    """ess only: the estimator of the (1 - ESS)-weighted KL to the behaviour policy. `k3` is the paper's
+    (gradient 1 - 1/r, large where a ratio r has fallen toward 0); `k2` is (log r)^2 / 2 (gradient log r);
+    `k3_capped` is k3 with 1/r capped at `behaviour_kl_cap` (gradient bounded by cap - 1). trainer/README.md."""
+
+    behaviour_kl_cap: float = 10.0
+    """k3_capped only: the cap on 1/r; below r = 1/cap the estimator continues linearly (> 1)."""
+
     def __post_init__(self) -> None:
         if self.name not in OBJECTIVE_NAMES:
             raise ValueError(
                 f"objective.name={self.name!r} is not a known objective; "
                 f"use one of {list(OBJECTIVE_NAMES)}, e.g. objective.name=ess"
             )
-        for key in ("clip_low", "clip_high", "entropy_coef", "ref_kl_coef", "max_log_ratio"):
+        if self.behaviour_kl not in BEHAVIOUR_KL_NAMES:
+            raise ValueError(
+                f"objective.behaviour_kl={self.behaviour_kl!r} is not a known estimator; "
+                f"use one of {list(BEHAVIOUR_KL_NAMES)} (k3 is the paper's), e.g. objective.behaviour_kl=k3"
+            )
+        for key in ("clip_low", "clip_high", "entropy_coef", "ref_kl_coef", "max_log_ratio", "behaviour_kl_cap"):
             value = getattr(self, key)
             if not math.isfinite(value):
                 raise ValueError(f"objective.{key}={value!r} must be a finite number")
@@ -88,6 +103,10 @@ class ObjectiveConfig:
         if self.ref_kl_coef < 0:
             raise ValueError(
                 f"objective.ref_kl_coef={self.ref_kl_coef} must be >= 0; use 0 to turn the penalty off"
+            )
+        if self.behaviour_kl_cap <= 1:
+            raise ValueError(
+                f"objective.behaviour_kl_cap={self.behaviour_kl_cap} must be > 1 (the default is 10.0)"
             )
         if self.max_log_ratio <= 0:
             raise ValueError(
@@ -150,6 +169,40 @@ def k3_kl(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
     """k3 estimator of KL(π ‖ π_other) per token: (ℓ − o) + exp(clamp(o − ℓ, −10, 10)) − 1, ≥ 0. [B, T]."""
     log_ratio = logprobs - other_logprobs
     return log_ratio + torch.exp((-log_ratio).clamp(-_KL_EXP_CLAMP, _KL_EXP_CLAMP)) - 1.0
+
+
+def k2_kl(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
+    """k2 estimator of KL(π ‖ π_other) per token: ½(ℓ − o)², ≥ 0. Its gradient in ℓ is ℓ − o = log r. [B, T]."""
+    log_ratio = logprobs - other_logprobs
+    return 0.5 * log_ratio * log_ratio
+
+
+def k3_kl_capped(logprobs: Tensor, other_logprobs: Tensor, cap: float) -> Tensor:
+    """k3 with 1/r capped at `cap`: equal to k3 where r ≥ 1/cap, continued linearly with slope 1 − cap below.
+
+    Convex, ≥ 0 and continuously differentiable; its gradient in ℓ is 1 − min(1/r, cap), so its magnitude is
+    at most cap − 1 (k3's grows as 1/r). [B, T].
+    """
+    if not cap > 1:
+        raise ValueError(f"cap={cap} must be > 1")
+    log_ratio = logprobs - other_logprobs
+    knee = -math.log(cap)  # log r at which 1/r reaches the cap
+    inside = torch.maximum(log_ratio, torch.full_like(log_ratio, knee))
+    k3 = inside + torch.exp(-inside) - 1.0  # k3 at max(log r, knee): finite everywhere
+    return torch.where(log_ratio >= knee, k3, k3 + (1.0 - cap) * (log_ratio - knee))
+
+
+def behaviour_kl_estimate(logprobs: Tensor, other_logprobs: Tensor, cfg: ObjectiveConfig) -> Tensor:
+    """The per-token behaviour-KL estimator `cfg.behaviour_kl` (k3, the paper's, by default). [B, T]."""
+    match cfg.behaviour_kl:
+        case "k3":
+            return k3_kl(logprobs, other_logprobs)
+        case "k2":
+            return k2_kl(logprobs, other_logprobs)
+        case "k3_capped":
+            return k3_kl_capped(logprobs, other_logprobs, cfg.behaviour_kl_cap)
+        case _:
+            raise ValueError(f"objective.behaviour_kl={cfg.behaviour_kl!r} is not one of {list(BEHAVIOUR_KL_NAMES)}")
 
 
 def ess_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float) -> tuple[Tensor, Tensor]:
@@ -232,7 +285,7 @@ def policy_objective(
     adv = torch.where(mask, advantages.float(), 0.0)
 
     ratio = importance_ratio(logp, old, mask, cfg.max_log_ratio)
-    kl_behaviour = torch.where(mask, k3_kl(logp, old), 0.0)
+    kl_behaviour = torch.where(mask, behaviour_kl_estimate(logp, old, cfg), 0.0)
 
     if ess is None:
         ess = ess_from_sums(ess_partial_sums(ratio, mask))

@@ -379,3 +379,76 @@ def test_config_is_an_omegaconf_structured_config():
         OmegaConf.merge(schema, OmegaConf.from_dotlist(["name=grpo"]))
     with pytest.raises(ValueError, match="objective.clip_low"):
         OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(["clip_low=-1"])))
+
+
+# ---------------------------------------------------------------------------------------- behaviour-KL variants
+
+
+def test_k2_and_capped_k3_values_and_gradients_by_hand():
+    from trainer.objective import k2_kl, k3_kl, k3_kl_capped
+
+    # log r = (ln 2, 0, −ln 2, −ln 20): r = (2, 1, 0.5, 0.05); cap 10 binds only on the last (1/r = 20 > 10).
+    log_r = torch.tensor([[LN2, 0.0, -LN2, -math.log(20.0)]], requires_grad=True)
+    zero = torch.zeros(1, 4)
+    k2 = k2_kl(log_r, zero)
+    torch.testing.assert_close(k2.detach(), 0.5 * log_r.detach() ** 2)
+    torch.testing.assert_close(_grad(k2.sum(), log_r), log_r.detach())  # gradient log r
+
+    k3 = k3_kl(log_r, zero)
+    capped = k3_kl_capped(log_r, zero, cap=10.0)
+    torch.testing.assert_close(capped[:, :3], k3[:, :3])  # identical where 1/r <= cap
+    # Below r = 1/cap: k3 at the knee (−ln 10 + 10 − 1) plus slope (1 − cap) times the distance past it.
+    knee = -math.log(10.0)
+    expected = knee + 10.0 - 1.0 + (1.0 - 10.0) * (-math.log(20.0) - knee)
+    assert capped[0, 3].item() == pytest.approx(expected, rel=1e-6)
+    assert capped[0, 3].item() < k3[0, 3].item()  # k3 there is −ln 20 + 20 − 1
+    grad = _grad(capped.sum(), log_r)
+    torch.testing.assert_close(grad, torch.tensor([[0.5, 0.0, -1.0, -9.0]]))  # 1 − min(1/r, cap)
+
+
+def test_capped_k3_gradient_stays_bounded_where_k3s_explodes():
+    from trainer.objective import k3_kl, k3_kl_capped
+
+    log_r = torch.linspace(-9.0, 3.0, 200).reshape(1, -1).requires_grad_(True)
+    zero = torch.zeros_like(log_r)
+    assert _grad(k3_kl(log_r, zero).sum(), log_r).abs().max().item() > 8000  # 1 − e^9
+    capped = k3_kl_capped(log_r, zero, cap=10.0)
+    assert capped.min().item() >= 0.0
+    assert _grad(capped.sum(), log_r).abs().max().item() <= 9.0 + 1e-5
+    # Continuous at the knee: the two sides agree to first order.
+    knee = torch.tensor([[-math.log(10.0) - 1e-4, -math.log(10.0) + 1e-4]])
+    left, right = k3_kl_capped(knee, torch.zeros_like(knee), cap=10.0)[0]
+    assert abs(left.item() - right.item()) < 2e-3
+
+
+@pytest.mark.parametrize("estimator", ["k2", "k3_capped"])
+def test_ess_loss_uses_the_chosen_behaviour_kl_and_leaves_the_policy_term(estimator):
+    from trainer.objective import k2_kl, k3_kl_capped
+
+    logprobs, old, adv, mask = _example()
+    paper, paper_metrics = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(name="ess"), num_tokens=3)
+    cfg = ObjectiveConfig(name="ess", behaviour_kl=estimator, behaviour_kl_cap=1.5)
+    loss, metrics = policy_objective(logprobs, old, adv, mask, cfg, num_tokens=3)
+    kl = k2_kl(logprobs, old) if estimator == "k2" else k3_kl_capped(logprobs, old, 1.5)
+    torch.testing.assert_close(metrics["loss/kl_behaviour"], kl.sum().detach() / 3)
+    torch.testing.assert_close(metrics["loss/policy"], paper_metrics["loss/policy"])
+    ess = 7.0 / 9.0
+    torch.testing.assert_close(loss.detach(), metrics["loss/policy"] + (1 - ess) * kl.sum().detach() / 3)
+    assert not torch.allclose(loss, paper)  # the cap of 1.5 binds at r = 0.5, and k2 differs from k3
+
+
+def test_behaviour_kl_is_ignored_by_the_baselines():
+    logprobs, old, adv, mask = _example()
+    for name in ("ppo_clip", "reinforce"):
+        a, _ = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(name=name), num_tokens=3)
+        b, _ = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(name=name, behaviour_kl="k2"), num_tokens=3)
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [({"behaviour_kl": "k4"}, "objective.behaviour_kl='k4'"), ({"behaviour_kl_cap": 1.0}, "behaviour_kl_cap=1.0")],
+)
+def test_behaviour_kl_config_errors(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        ObjectiveConfig(**overrides)
