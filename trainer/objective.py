@@ -10,6 +10,8 @@ the two global quantities the objective needs and passes them in:
 - `ess`: the effective sample size of the ratios. The caller computes it with `ess_partial_sums` on each
   micro-batch, SUM-reduces the three sums across ranks (and, for the per-step scope, across micro-batches)
   and calls `ess_from_sums`. When `ess` is None, `policy_objective` computes it from this call's tokens alone.
+  The per-sequence scope passes a [B] tensor instead (`ess_per_sequence`, local to each row: no collective):
+  each row's tokens are then capped at, and pulled toward the behaviour policy by, that row's own ESS.
 
 Departures from the paper's reference code (FeynRL `algs/P3O/p3o.py`):
 - ESS is passed in, not computed inside the loss with an all-reduce; the two halves are `ess_partial_sums`
@@ -25,7 +27,8 @@ Metrics returned by `policy_objective` (all detached 0-dim float32 tensors), by 
   global mean): `loss/total`, `loss/policy`, `loss/kl_behaviour`, `loss/clipfrac`, `loss/ratio/mean`,
   `loss/entropy` (only when `entropy` is given), `loss/ref_kl` (only when `ref_logprobs` is given).
 - MAX (keys ending in `/max`; reduce with MAX): `loss/ratio/max` (0 when the call has no valid token).
-- Per call (neither SUM nor MAX; the caller averages it over calls): `loss/ess`, the ESS the call used.
+- Per call (neither SUM nor MAX; the caller averages it over calls): `loss/ess`, the ESS the call used (with
+  per-sequence ESS, their mean over the call's valid tokens).
 
 A new surrogate is one pure function returning (per-token loss, capped-token mask) plus one `match` arm in
 `policy_objective`.
@@ -44,6 +47,8 @@ ObjectiveName = Literal["ess", "ppo_clip", "reinforce"]
 OBJECTIVE_NAMES: tuple[str, ...] = ("ess", "ppo_clip", "reinforce")
 BehaviourKL = Literal["k3", "k2", "k3_capped"]
 BEHAVIOUR_KL_NAMES: tuple[str, ...] = ("k3", "k2", "k3_capped")
+LossPart = Literal["all", "policy", "behaviour_kl"]
+LOSS_PARTS: tuple[str, ...] = ("all", "policy", "behaviour_kl")
 
 # Bound on exp() arguments inside the k3 KL estimator (trainer/README.md).
 _KL_EXP_CLAMP = 10.0
@@ -146,6 +151,24 @@ def ess_partial_sums(ratio: Tensor, mask: Tensor) -> Tensor:
     return torch.stack([r.sum(), (r * r).sum(), mask.sum().to(torch.float64)])
 
 
+def ess_per_sequence(ratio: Tensor, mask: Tensor) -> Tensor:
+    """One ESS per row: (Σ_t r)² / (n_i · Σ_t r²) over row i's masked tokens; float64 [B], detached.
+
+    The per-sequence scope (FeynRL `calculate_seq_ess`): a sequence whose own ratios are uneven gets a tight
+    cap and a strong pull toward the behaviour policy, whatever the rest of the batch looks like. Each value
+    follows `ess_from_sums` on that row alone: 1.0 for a row with no valid token or a non-finite or zero sum,
+    otherwise clamped into [1/n_i, 1].
+    """
+    r = torch.where(mask, ratio.detach().to(torch.float64), 0.0)
+    total, total_sq = r.sum(-1), (r * r).sum(-1)
+    count = mask.sum(-1).to(torch.float64)
+    ok = (count > 0) & torch.isfinite(total) & torch.isfinite(total_sq) & (total_sq > 0)
+    ess = (total * total) / (count.clamp(min=1.0) * torch.where(ok, total_sq, 1.0))
+    ok = ok & torch.isfinite(ess)
+    ess = torch.minimum(torch.maximum(ess, 1.0 / count.clamp(min=1.0)), torch.ones_like(ess))
+    return torch.where(ok, ess, 1.0)
+
+
 def ess_from_sums(sums: Tensor) -> float:
     """ESS = (Σr)² / (n · Σr²) from the (reduced) sums of `ess_partial_sums`, in (0, 1].
 
@@ -205,14 +228,19 @@ def behaviour_kl_estimate(logprobs: Tensor, other_logprobs: Tensor, cfg: Objecti
             raise ValueError(f"objective.behaviour_kl={cfg.behaviour_kl!r} is not one of {list(BEHAVIOUR_KL_NAMES)}")
 
 
-def ess_token_loss(logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float) -> tuple[Tensor, Tensor]:
+def ess_token_loss(
+    logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float | Tensor
+) -> tuple[Tensor, Tensor]:
     """ESS policy term: −ρ·ℓ·A with ρ = stopgrad(clamp(r, 0, ESS)) (README, "the cap").
 
-    Its gradient is −ρ·A·∇ℓ: the capped weight carries none. The (1 − ESS)·kl trust-region term is added
-    by `policy_objective`, which reports it separately (`loss/kl_behaviour`).
+    `ess` is one float, or a [B, 1] tensor (one cap per row, the per-sequence scope). Its gradient is
+    −ρ·A·∇ℓ: the capped weight carries none. The (1 − ESS)·kl trust-region term is added by
+    `policy_objective`, which reports it separately (`loss/kl_behaviour`).
     """
-    weight = ratio.detach().clamp(0.0, ess)
-    return -weight * logprobs * advantages, ratio.detach() > ess
+    r = ratio.detach()
+    cap = torch.as_tensor(ess, dtype=r.dtype, device=r.device)
+    weight = torch.minimum(r.clamp(min=0.0), cap)
+    return -weight * logprobs * advantages, r > cap
 
 
 def ppo_clip_token_loss(
@@ -245,9 +273,10 @@ def policy_objective(
     cfg: ObjectiveConfig,
     *,
     num_tokens: float,
-    ess: float | None = None,
+    ess: float | Tensor | None = None,
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
+    part: LossPart = "all",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of one micro-batch for `cfg.name`, normalised by the global token count; and its metrics.
 
@@ -260,9 +289,14 @@ def policy_objective(
         cfg: the objective config.
         num_tokens: N, the global number of valid tokens in the optimizer step (all micro-batches, ranks).
             0 is allowed (an all-padding step) and gives a zero loss.
-        ess: the ESS reduced by the caller (`ess_from_sums`); None computes it from this call alone.
+        ess: the ESS reduced by the caller (`ess_from_sums`); a [B] tensor gives each row its own ESS (the
+            per-sequence scope, `ess_per_sequence`); None computes one from this call alone.
         ref_logprobs: [B, T] reference-policy logprobs; required when `cfg.ref_kl_coef > 0`.
         entropy: [B, T] token entropies, with gradient; required when `cfg.entropy_coef > 0`.
+        part: which terms the returned loss holds: `all` (the objective), or for gradient diagnostics only
+            `policy` (the surrogate alone) or `behaviour_kl` (the (1 − ESS)-weighted KL alone; zero for the
+            objectives without one). The metrics but `loss/total` (the returned loss) are the same
+            whatever the part.
 
     Returns:
         (loss, metrics): the 0-dim float32 loss [Σ per-token terms] / N, and the metrics listed in the
@@ -287,17 +321,31 @@ def policy_objective(
     ratio = importance_ratio(logp, old, mask, cfg.max_log_ratio)
     kl_behaviour = torch.where(mask, behaviour_kl_estimate(logp, old, cfg), 0.0)
 
+    if part not in LOSS_PARTS:
+        raise ValueError(f"part={part!r} must be one of {list(LOSS_PARTS)}")
     if ess is None:
         ess = ess_from_sums(ess_partial_sums(ratio, mask))
-    ess = float(ess)
-    if not 0.0 < ess <= 1.0:
-        raise ValueError(f"ess={ess} must be in (0, 1]; compute it with ess_from_sums")
+    if isinstance(ess, Tensor):
+        if ess.shape != (mask.shape[0],):
+            raise ValueError(
+                f"a per-sequence ess must have shape [B] = ({mask.shape[0]},), got {tuple(ess.shape)}"
+            )
+        if not bool(((ess > 0) & (ess <= 1)).all()):
+            raise ValueError("every per-sequence ess must be in (0, 1]; compute them with ess_per_sequence")
+        ess_cap: float | Tensor = ess.detach().to(torch.float32)[:, None]  # [B, 1]
+        counts = mask.sum(-1).to(torch.float64)
+        ess_used = float((ess.double() * counts).sum() / counts.sum()) if counts.sum() > 0 else 1.0
+    else:
+        ess = float(ess)
+        if not 0.0 < ess <= 1.0:
+            raise ValueError(f"ess={ess} must be in (0, 1]; compute it with ess_from_sums")
+        ess_cap, ess_used = ess, ess
 
-    kl_coef = 0.0  # weight of the behaviour-KL term; only the ESS objective has one
+    kl_coef: float | Tensor = 0.0  # weight of the behaviour-KL term; only the ESS objective has one
     match cfg.name:
         case "ess":
-            token_loss, capped = ess_token_loss(logp, ratio, adv, ess)
-            kl_coef = 1.0 - ess
+            token_loss, capped = ess_token_loss(logp, ratio, adv, ess_cap)
+            kl_coef = 1.0 - ess_cap
         case "ppo_clip":
             token_loss, capped = ppo_clip_token_loss(ratio, adv, cfg.clip_low, cfg.clip_high)
         case "reinforce":
@@ -306,18 +354,28 @@ def policy_objective(
             raise ValueError(f"objective.name={cfg.name!r} is not one of {list(OBJECTIVE_NAMES)}")
     policy_sum = torch.where(mask, token_loss, 0.0).sum()
     kl_sum = kl_behaviour.sum()
-    loss_sum = policy_sum + kl_coef * kl_sum if kl_coef != 0 else policy_sum
+    if isinstance(kl_coef, Tensor):
+        weighted_kl_sum = (kl_coef * kl_behaviour).sum()
+    else:
+        weighted_kl_sum = kl_coef * kl_sum if kl_coef != 0 else torch.zeros_like(policy_sum)
+    match part:
+        case "all":
+            loss_sum = policy_sum + weighted_kl_sum if cfg.name == "ess" else policy_sum
+        case "policy":
+            loss_sum = policy_sum
+        case "behaviour_kl":
+            loss_sum = weighted_kl_sum + 0.0 * policy_sum  # 0 * keeps the graph (and FSDP's hooks) the same
 
     metrics: dict[str, Tensor] = {}
     if entropy is not None:
         ent = torch.where(mask, entropy.float(), 0.0)
-        if cfg.entropy_coef != 0:
+        if cfg.entropy_coef != 0 and part == "all":
             loss_sum = loss_sum - cfg.entropy_coef * ent.sum()
         metrics["loss/entropy"] = ent.sum().detach() / denom
     if ref_logprobs is not None:
         ref = torch.where(mask, ref_logprobs.float(), 0.0)
         ref_kl = torch.where(mask, k3_kl(logp, ref), 0.0)
-        if cfg.ref_kl_coef > 0:
+        if cfg.ref_kl_coef > 0 and part == "all":
             loss_sum = loss_sum + cfg.ref_kl_coef * ref_kl.sum()
         metrics["loss/ref_kl"] = ref_kl.sum().detach() / denom
 
@@ -331,7 +389,7 @@ def policy_objective(
             "loss/clipfrac": (capped & mask).sum().float() / denom,
             "loss/ratio/mean": ratio_valid.sum() / denom,
             "loss/ratio/max": ratio_valid.max() if ratio_valid.numel() else ratio_valid.new_zeros(()),
-            "loss/ess": torch.tensor(ess, dtype=torch.float32, device=logprobs.device),
+            "loss/ess": torch.tensor(ess_used, dtype=torch.float32, device=logprobs.device),
         }
     )
     return loss, metrics

@@ -13,9 +13,13 @@ systems code (`trainer/distributed.py`, through the injected `Reducer`; no colle
 3. ESS (trainer/README.md) from the detached ratios: local (Σr, Σr², n) → `reducer.sum_` → `ess_from_sums`.
    `ess_scope="micro_batch"` (default, as FeynRL): one ESS per micro-batch index, over that micro-batch on
    all ranks. `ess_scope="step"`: one ESS over the whole step, from an extra no-grad forward pass over all
-   micro-batches before the training pass (one more forward per step).
+   micro-batches before the training pass (one more forward per step). `ess_scope="sequence"`: one ESS per
+   sequence over its own tokens (`ess_per_sequence`; no collective).
 4. loss = `policy_objective(..., num_tokens=N, ess=ess)`; `(loss * dp_scale).backward()`.
-5. Pre-clip global grad norm, clipped to `max_grad_norm` with `torch.nn.utils.clip_grad_norm_`.
+5. Pre-clip global grad norm, clipped to `max_grad_norm` with `torch.nn.utils.clip_grad_norm_`. With
+   `diagnose=True`, two passes before the training pass measure the pre-clip norms of the policy term's
+   gradient and of the behaviour-KL term's alone (two more forwards and backwards; the gradients are
+   discarded).
 6. Non-finite guard: when the loss or the grad norm is non-finite on ANY rank (a flag MAX-reduced), the
    gradients are zeroed and neither the optimizer nor the scheduler steps.
 7. `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`.
@@ -31,7 +35,9 @@ up: a multi-rank reducer with an unsharded model (no gradient sync at all) is re
 
 Metrics returned (Python floats, identical on every rank): the objective's `loss/*` keys reduced over
 micro-batches and ranks as trainer/objective.py describes, plus `train/grad_norm` (before clipping),
-`train/lr`, `train/num_tokens`, `train/micro_batches`, `train/skipped` and `timing/train_step`. What each
+`train/clipped` (1 when clipping changed the gradient), `train/lr`, `train/num_tokens`, `train/micro_batches`,
+`train/skipped` and `timing/train_step`; with `diagnose=True` also `train/grad_norm/policy` and
+`train/grad_norm/behaviour_kl`. What each
 one means is in the metric glossary, trainer/README.md.
 """
 
@@ -47,15 +53,17 @@ from torch import Tensor
 from trainer.distributed import Reducer, full_value, is_sharded
 from trainer.logprobs import token_logprobs
 from trainer.objective import (
+    LossPart,
     ObjectiveConfig,
     ess_from_sums,
     ess_partial_sums,
+    ess_per_sequence,
     importance_ratio,
     policy_objective,
     valid_token_mask,
 )
 
-ESS_SCOPES: tuple[str, ...] = ("micro_batch", "step")
+ESS_SCOPES: tuple[str, ...] = ("micro_batch", "step", "sequence")
 
 
 @dataclass
@@ -161,7 +169,13 @@ class TrainerConfig:
     """Clip the global gradient L2 norm to this; 0 disables clipping (the norm is still reported)."""
 
     ess_scope: str = "micro_batch"
-    """ESS computed per micro-batch across ranks (`micro_batch`, as FeynRL) or once per step (`step`)."""
+    """ESS computed per micro-batch across ranks (`micro_batch`, as FeynRL), once per step (`step`) or per
+    sequence over its own tokens (`sequence`, FeynRL's `calculate_seq_ess`). trainer/README.md."""
+
+    grad_diagnostics_every: int = 0
+    """Every this many steps, also log the pre-clip gradient norms of the policy term and of the behaviour-KL
+    term alone (`train/grad_norm/policy`, `train/grad_norm/behaviour_kl`): two more forward+backward passes on
+    those steps. 0 = never."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
@@ -171,6 +185,11 @@ class TrainerConfig:
         if not math.isfinite(self.max_grad_norm) or self.max_grad_norm < 0:
             raise ValueError(
                 f"trainer.max_grad_norm={self.max_grad_norm} must be a finite number >= 0; 0 disables clipping"
+            )
+        if not isinstance(self.grad_diagnostics_every, int) or self.grad_diagnostics_every < 0:
+            raise ValueError(
+                f"trainer.grad_diagnostics_every={self.grad_diagnostics_every!r} must be an integer >= 0 "
+                "(0 = never)"
             )
         if self.ess_scope not in ESS_SCOPES:
             raise ValueError(f"trainer.ess_scope={self.ess_scope!r} must be one of {list(ESS_SCOPES)}")
@@ -229,8 +248,11 @@ def train_step(
     cfg: TrainerConfig,
     *,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    diagnose: bool = False,
 ) -> dict[str, float]:
     """One optimizer step on `batch` (this rank's share); returns the metrics in the module docstring.
+
+    `diagnose` (the same on every rank) adds the per-term gradient norms, at the cost of two more passes.
 
     A collective when `reducer` spans several ranks: every rank calls it with its own batch. The model runs
     in whatever train/eval mode it is in (RL wants dropout off; the tiny model is built in eval mode).
@@ -267,48 +289,81 @@ def train_step(
                 sums += ess_partial_sums(ratio, mb.mask).cpu()
         step_ess = _reduced_ess(sums, reducer)
 
-    # (b) Forward/backward per micro-batch; gradients accumulate in .grad.
     dp_scale = float(reducer.world_size)
-    sum_metrics: dict[str, Tensor] = {}
-    max_metrics: dict[str, Tensor] = {}
-    ess_values: list[float] = []
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in micro_batches:
-        logprobs, entropy = forward(mb)
-        if objective.entropy_coef == 0:
-            entropy = entropy.detach()  # a metric only: no gradient path through it
-        if step_ess is None:
-            ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
-            ess = _reduced_ess(ess_partial_sums(ratio, mb.mask), reducer)
-        else:
-            ess = step_ess
-        ess_values.append(ess)
-        loss, metrics = policy_objective(
-            logprobs,
-            mb.old_logprobs,
-            mb.advantages,
-            mb.mask,
-            objective,
-            num_tokens=num_tokens,
-            ess=ess,
-            ref_logprobs=mb.ref_logprobs,
-            entropy=entropy,
-        )
-        (loss * dp_scale).backward()
-        local_loss += loss.detach().to(torch.float64)
-        for key, value in metrics.items():
-            if key == "loss/ess":
-                continue
-            value = value.detach().to(torch.float64)
-            if key.endswith("/max"):
-                max_metrics[key] = torch.maximum(max_metrics[key], value) if key in max_metrics else value
+
+    def trainable() -> list[Tensor]:
+        # Read after a backward: under FSDP2 a no-grad forward (ess_scope=step) leaves the unsharded
+        # parameters registered until the next backward reshards them.
+        return [p for p in model.parameters() if p.requires_grad]
+
+    def backward_pass(part: LossPart) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], list[float]]:
+        """Forward/backward of `part` per micro-batch; gradients accumulate in .grad. Local loss and metrics.
+
+        The ESS values: one per micro-batch, or for the per-sequence scope this rank's (Σ ESS_i·n_i, Σ n_i)
+        over its rows (SUM-reduced by the caller into the token-weighted mean).
+        """
+        sum_metrics: dict[str, Tensor] = {}
+        max_metrics: dict[str, Tensor] = {}
+        ess_values: list[float] = []
+        sequence_sums = [0.0, 0.0]
+        local_loss = torch.zeros((), dtype=torch.float64, device=device)
+        for mb in micro_batches:
+            logprobs, entropy = forward(mb)
+            if objective.entropy_coef == 0:
+                entropy = entropy.detach()  # a metric only: no gradient path through it
+            ess: float | Tensor
+            if step_ess is not None:
+                ess = step_ess
             else:
-                sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
+                ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
+                if cfg.ess_scope == "sequence":
+                    ess = ess_per_sequence(ratio, mb.mask)
+                    counts = mb.mask.sum(-1).to(torch.float64).cpu()
+                    sequence_sums[0] += float((ess.cpu() * counts).sum())
+                    sequence_sums[1] += float(counts.sum())
+                else:
+                    ess = _reduced_ess(ess_partial_sums(ratio, mb.mask), reducer)
+            loss, metrics = policy_objective(
+                logprobs,
+                mb.old_logprobs,
+                mb.advantages,
+                mb.mask,
+                objective,
+                num_tokens=num_tokens,
+                ess=ess,
+                ref_logprobs=mb.ref_logprobs,
+                entropy=entropy,
+                part=part,
+            )
+            (loss * dp_scale).backward()
+            local_loss += loss.detach().to(torch.float64)
+            if isinstance(ess, float):
+                ess_values.append(ess)
+            for key, value in metrics.items():
+                if key == "loss/ess":
+                    continue
+                value = value.detach().to(torch.float64)
+                if key.endswith("/max"):
+                    max_metrics[key] = torch.maximum(max_metrics[key], value) if key in max_metrics else value
+                else:
+                    sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
+        return local_loss, sum_metrics, max_metrics, ess_values or sequence_sums
+
+    # Diagnostics: the gradient of each term alone, measured and thrown away before the training pass.
+    diagnostics: dict[str, float] = {}
+    if diagnose:
+        for part in ("policy", "behaviour_kl"):
+            backward_pass(part)
+            norm = torch.nn.utils.clip_grad_norm_(trainable(), math.inf)
+            diagnostics[f"train/grad_norm/{part}"] = float(full_value(norm))
+            optimizer.zero_grad(set_to_none=True)
+
+    # (b) Forward/backward per micro-batch; gradients accumulate in .grad.
+    local_loss, sum_metrics, max_metrics, ess_values = backward_pass("all")
 
     # (c) Pre-clip global gradient norm; clip.
-    params = [p for p in model.parameters() if p.requires_grad]
     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-    grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(params, max_norm)))
+    grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(trainable(), max_norm)))
 
     # (d) Non-finite guard, agreed by all ranks.
     local_bad = not (math.isfinite(float(local_loss)) and math.isfinite(grad_norm))
@@ -330,10 +385,16 @@ def train_step(
     if max_keys:
         maxed = reducer.max_(torch.stack([max_metrics[k] for k in max_keys]).cpu())
         result.update(zip(max_keys, maxed.tolist(), strict=True))
-    result["loss/ess"] = sum(ess_values) / len(ess_values)
+    if cfg.ess_scope == "sequence":  # the token-weighted mean of the sequences' ESS over all ranks
+        weighted, count = reducer.sum_(torch.tensor(ess_values, dtype=torch.float64)).tolist()
+        result["loss/ess"] = weighted / count if count > 0 else 1.0
+    else:
+        result["loss/ess"] = sum(ess_values) / len(ess_values)
     result.update(
         {
             "train/grad_norm": grad_norm,
+            "train/clipped": float(not skipped and grad_norm > max_norm),
+            **diagnostics,
             "train/lr": lr,
             "train/num_tokens": num_tokens,
             "train/micro_batches": float(num_micro),

@@ -214,8 +214,10 @@ async def train_one_step(
     t1 = time.perf_counter()
     groups = [item.item for item in taken]
     batch, rewards, stats = to_train_batch(p, groups)
+    every = cfg.trainer.grad_diagnostics_every
     trained = await asyncio.to_thread(
-        train_step, p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer, scheduler=p.scheduler
+        train_step, p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer,
+        scheduler=p.scheduler, diagnose=bool(every and step % every == 0),
     )
     t2 = time.perf_counter()
     await p.fleet.publish(p.model, step)  # the push to the engines goes on in the background

@@ -259,6 +259,7 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
         "mean_policy_lag": sum(lags) / len(lags) if lags else 0.0,
         "dropped_groups": int(rows[-1]["buffer/dropped_groups"]) if rows else 0,
         "skipped_steps": int(sum(h["train/skipped"] for h in rows)),
+        "clipped_fraction": sum(h.get("train/clipped", 0.0) for h in rows) / len(rows) if rows else 0.0,
         "train_samples": int(counters["samples"]),
         "samples_per_s": counters["samples"] / max(counters["train_wall_s"], 1e-9),
         "rollout_utilisation": history.mean("rollout/utilisation"),

@@ -33,6 +33,7 @@ GLOBAL_ROWS = 7
 #   micro-batches; per-step ESS; an entropy bonus; sampling temperature 0.9 (TEMPERATURE). AdamW.
 # "sgd_gradient": as step_uneven but plain SGD without clipping, so the weight change IS the gradient: this
 #   pins the DP-scaling convention directly (AdamW's normalisation amplifies rounding on tiny gradients).
+# "sequence_diagnosed": as sgd_gradient with per-sequence ESS and the per-term gradient-norm diagnostics.
 TEMPERATURE = {"step_uneven": 0.9}
 SCENARIOS: dict[str, tuple[ObjectiveConfig, TrainerConfig, tuple[int, int], str]] = {
     "micro_batch": (ObjectiveConfig(name="ess"), TrainerConfig(micro_batch_size=8), (4, 3), "adamw"),
@@ -48,7 +49,14 @@ SCENARIOS: dict[str, tuple[ObjectiveConfig, TrainerConfig, tuple[int, int], str]
         (5, 2),
         "sgd",
     ),
+    "sequence_diagnosed": (
+        ObjectiveConfig(name="ess"),
+        TrainerConfig(micro_batch_size=2, ess_scope="sequence", max_grad_norm=0.0),
+        (5, 2),
+        "sgd",
+    ),
 }
+DIAGNOSE = {"sequence_diagnosed"}  # train_step(..., diagnose=True): the per-term gradient norms as well
 OPTIM = OptimConfig(lr=1e-2, schedule="linear", warmup_steps=1, weight_decay=0.01)
 SGD_LR = 0.1
 STEPS = 2
@@ -115,7 +123,9 @@ def run_scenario(name: str, reducer, *, rank: int, world_size: int, shard) -> di
     else:
         optimizer, scheduler = build_optimizer(model, OPTIM, total_steps=STEPS)
     metrics = [
-        train_step(model, optimizer, batch, objective, reducer, trainer_cfg, scheduler=scheduler)
+        train_step(
+            model, optimizer, batch, objective, reducer, trainer_cfg, scheduler=scheduler, diagnose=name in DIAGNOSE
+        )
         for _ in range(STEPS)
     ]
     return {"metrics": metrics, "state": full_state_dict(model)}

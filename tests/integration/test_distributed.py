@@ -81,7 +81,7 @@ def test_two_ranks_match_one_process(two_process_results, references, scenario):
             for key in COMPARED:
                 assert _rel(dist_m[key], ref_m[key]) < METRIC_RTOL, (rank, step, key, dist_m[key], ref_m[key])
             for key in ref_m:  # every SUM/MAX metric agrees, not just the compared ones
-                if key.startswith("loss/"):
+                if key.startswith(("loss/", "train/grad_norm/")):
                     close = math.isclose(dist_m[key], ref_m[key], rel_tol=1e-4, abs_tol=1e-6)
                     assert close, (key, rank, step)
         assert got["state"].keys() == reference["state"].keys()
@@ -91,6 +91,15 @@ def test_two_ranks_match_one_process(two_process_results, references, scenario):
     initial = dist_worker.build_model(seed=0).state_dict()
     moved = max((reference["state"][k] - v).abs().max().item() for k, v in initial.items())
     assert moved > 1e-3
+
+
+@pytest.mark.slow
+def test_per_term_gradient_norms_agree_across_ranks(two_process_results, references):
+    reference = references["sequence_diagnosed"]["metrics"]
+    for results in two_process_results:
+        for dist_m, ref_m in zip(results["sequence_diagnosed"]["metrics"], reference, strict=True):
+            for key in ("train/grad_norm/policy", "train/grad_norm/behaviour_kl"):
+                assert ref_m[key] > 0 and _rel(dist_m[key], ref_m[key]) < METRIC_RTOL, (key, dist_m[key], ref_m[key])
 
 
 @pytest.mark.slow

@@ -8,7 +8,13 @@ import torch
 from tests.integration.dist_worker import build_batch, build_model
 from trainer.distributed import LocalReducer
 from trainer.logprobs import token_logprobs
-from trainer.objective import ObjectiveConfig, policy_objective, valid_token_mask
+from trainer.objective import (
+    ObjectiveConfig,
+    ess_per_sequence,
+    importance_ratio,
+    policy_objective,
+    valid_token_mask,
+)
 from trainer.optim import OptimConfig, build_optimizer, lr_multiplier
 from trainer.step import TrainBatch, TrainerConfig, train_step
 
@@ -72,8 +78,12 @@ def test_params_move_and_grads_are_cleared():
 
 @pytest.mark.parametrize(
     "objective, ess_scope",
-    [(ObjectiveConfig(name="ess"), "step"), (ObjectiveConfig(name="ppo_clip"), "micro_batch")],
-    ids=["ess-step", "ppo_clip"],
+    [
+        (ObjectiveConfig(name="ess"), "step"),
+        (ObjectiveConfig(name="ess"), "sequence"),
+        (ObjectiveConfig(name="ppo_clip"), "micro_batch"),
+    ],
+    ids=["ess-step", "ess-sequence", "ppo_clip"],
 )
 @pytest.mark.parametrize("micro_batch_size", [1, 3])  # 3 on 7 rows: an uneven last micro-batch
 def test_micro_batching_does_not_change_the_gradient(objective, ess_scope, micro_batch_size):
@@ -102,6 +112,57 @@ def test_ess_scope_step_uses_one_ess_for_the_whole_step():
     assert per_step["loss/total"] == pytest.approx(whole["loss/total"], rel=1e-5)
     # Per-micro-batch ESS over 2-row pieces differs from the whole-step ESS (and so does the loss).
     assert per_micro["loss/ess"] != pytest.approx(whole["loss/ess"], rel=1e-3)
+
+
+def test_ess_scope_sequence_gives_each_row_its_own_ess():
+    model = build_model()
+    batch = build_batch(model)
+    objective = ObjectiveConfig(name="ess")
+    mask = valid_token_mask(batch.loss_mask, batch.old_logprobs)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        ess = ess_per_sequence(importance_ratio(logprobs, batch.old_logprobs, mask, objective.max_log_ratio), mask)
+        expected, _ = policy_objective(
+            logprobs, batch.old_logprobs, batch.advantages, mask, objective, num_tokens=float(mask.sum()), ess=ess
+        )
+    assert len(set(ess.tolist())) > 1  # the rows of the off-policy batch differ
+    metrics, _ = _sgd_step(batch, objective, TrainerConfig(micro_batch_size=64, ess_scope="sequence"))
+    assert metrics["loss/total"] == pytest.approx(float(expected), rel=1e-6)
+    whole, _ = _sgd_step(batch, objective, TrainerConfig(micro_batch_size=64))
+    assert whole["loss/total"] != pytest.approx(metrics["loss/total"], rel=1e-4)
+
+
+@pytest.mark.parametrize("name", ["ess", "ppo_clip"])
+def test_grad_diagnostics_measure_each_term_and_leave_the_update_alone(name):
+    batch = build_batch(build_model())
+    objective = ObjectiveConfig(name=name)
+    cfg = TrainerConfig(micro_batch_size=64, max_grad_norm=0.0)
+    plain, plain_step = _sgd_step(batch, objective, cfg)
+    model = build_model()
+    before = _params(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    diagnosed = train_step(model, optimizer, batch, objective, REDUCER, cfg, diagnose=True)
+    for key, value in _params(model).items():  # the diagnostic passes change neither the gradient nor the step
+        torch.testing.assert_close(value - before[key], plain_step[key], atol=1e-7, rtol=1e-5, msg=key)
+    assert "train/grad_norm/policy" not in plain
+    assert diagnosed["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-6)
+    # Each term's norm, measured directly: that part's loss alone over the batch (one micro-batch), backpropagated.
+    mask = valid_token_mask(batch.loss_mask, batch.old_logprobs)
+    for part in ("policy", "behaviour_kl"):
+        model = build_model()
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+        loss, _ = policy_objective(
+            logprobs, batch.old_logprobs, batch.advantages, mask, objective,
+            num_tokens=float(mask.sum()), part=part,
+        )  # fmt: skip
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), math.inf))
+        assert diagnosed[f"train/grad_norm/{part}"] == pytest.approx(norm, rel=1e-5), part
+    if name == "ess":
+        assert diagnosed["train/grad_norm/behaviour_kl"] > 0
+    else:
+        assert diagnosed["train/grad_norm/behaviour_kl"] == 0.0
+        assert diagnosed["train/grad_norm/policy"] == pytest.approx(plain["train/grad_norm"], rel=1e-6)
 
 
 def test_non_finite_behaviour_logprob_is_dropped_not_skipped():
@@ -186,6 +247,7 @@ def test_grad_norm_is_reported_before_clipping():
     clipped, grad_clipped = _sgd_step(batch, ObjectiveConfig(), TrainerConfig(max_grad_norm=0.1))
     assert free["train/grad_norm"] > 0.1
     assert clipped["train/grad_norm"] == pytest.approx(free["train/grad_norm"], rel=1e-6)
+    assert (free["train/clipped"], clipped["train/clipped"]) == (0.0, 1.0)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grad_clipped.values()]))
     assert float(norm) == pytest.approx(0.1, rel=1e-4)
 

@@ -15,6 +15,7 @@ from trainer.objective import (
     ObjectiveConfig,
     ess_from_sums,
     ess_partial_sums,
+    ess_per_sequence,
     importance_ratio,
     policy_objective,
     valid_token_mask,
@@ -452,3 +453,73 @@ def test_behaviour_kl_is_ignored_by_the_baselines():
 def test_behaviour_kl_config_errors(overrides, message):
     with pytest.raises(ValueError, match=message):
         ObjectiveConfig(**overrides)
+
+
+# ------------------------------------------------------------------------------- per-sequence ESS, loss parts
+
+
+def test_ess_per_sequence_hand_values_and_degenerate_rows():
+    ratio = torch.tensor([[2.0, 1.0, 0.5], [3.0, 3.0, 9.0], [5.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False], [False, False, False], [True, False, False]])
+    ess = ess_per_sequence(ratio, mask)
+    assert ess.dtype == torch.float64 and ess.shape == (4,) and not ess.requires_grad
+    # Row 0: the shared example, 7/9. Row 1: equal ratios on its 2 valid tokens (the 9 is padding): 1.
+    # Row 2: no valid token: 1. Row 3: one token: 1.
+    assert ess.tolist() == pytest.approx([7 / 9, 1.0, 1.0, 1.0])
+    # Each row agrees with ess_from_sums on that row alone.
+    for i in range(2):
+        assert ess[i].item() == pytest.approx(ess_from_sums(ess_partial_sums(ratio[i : i + 1], mask[i : i + 1])))
+    # A row whose only non-zero ratio is one of many tokens reaches the floor 1/n.
+    tiny = ess_per_sequence(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), torch.ones(1, 4, dtype=torch.bool))
+    assert tiny.item() == pytest.approx(0.25)
+    # Non-finite sums give 1 (no pull), as ess_from_sums does.
+    inf = ess_per_sequence(torch.tensor([[math.inf, 1.0]]), torch.ones(1, 2, dtype=torch.bool))
+    assert inf.item() == 1.0
+
+
+def test_per_sequence_ess_caps_and_weights_each_row_with_its_own_ess():
+    # Row 0 is the shared example (ESS 7/9); row 1 is on-policy (ESS 1) with advantages (1, 1, 1).
+    logprobs = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-1.0 - LN2, -2.0, -3.0 + LN2], [-1.0, -1.0, -1.0]])
+    adv = torch.tensor([[1.0, -2.0, 3.0], [1.0, 1.0, 1.0]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    ess = ess_per_sequence(importance_ratio(logprobs.detach(), old, mask, 20.0), mask)
+    loss, metrics = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(), num_tokens=6, ess=ess)
+    # Row 0 as test_ess_objective_hand_values: 13/6 + (2/9)·0.5 = 41/18; row 1: ρ = 1, −Σℓ·A = 3, KL 0.
+    assert loss.item() == pytest.approx((41 / 18 + 3) / 6, abs=1e-6)
+    assert metrics["loss/ess"].item() == pytest.approx((7 / 9 + 1) / 2, abs=1e-6)  # token-weighted mean
+    assert metrics["loss/clipfrac"].item() == pytest.approx(2 / 6)  # only row 0's r = 2 and r = 1 exceed 7/9
+    # One ESS for the whole batch would cap row 1 too: the per-sequence loss differs from it.
+    whole, _ = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(), num_tokens=6)
+    assert whole.item() != pytest.approx(loss.item(), rel=1e-3)
+    # The gradient: row 0 as test_ess_gradient_includes_the_trust_region_term at ESS 7/9; row 1 is −A / N.
+    grad = _grad(loss, logprobs)
+    row0 = torch.tensor([-7 / 9 + (2 / 9) * 0.5, 14 / 9, -1.5 - (2 / 9)])
+    assert torch.allclose(grad, torch.stack([row0, -torch.ones(3)]) / 6, atol=1e-6)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([0.5]), torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.5])])
+def test_per_sequence_ess_is_checked(bad):
+    logprobs = torch.zeros(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="per-sequence ess"):
+        policy_objective(logprobs, logprobs, logprobs, mask, ObjectiveConfig(), num_tokens=6, ess=bad)
+
+
+@pytest.mark.parametrize("name", ["ess", "ppo_clip", "reinforce"])
+def test_loss_parts_add_up_to_the_objective(name):
+    logprobs, old, adv, mask = _example()
+    cfg = ObjectiveConfig(name=name)
+    grads, metrics = {}, {}
+    for part in ("all", "policy", "behaviour_kl"):
+        loss, metrics[part] = policy_objective(logprobs, old, adv, mask, cfg, num_tokens=3, part=part)
+        grads[part] = _grad(loss, logprobs)
+    torch.testing.assert_close(grads["policy"] + grads["behaviour_kl"], grads["all"])
+    if name == "ess":  # KL part: (1 − 7/9)·(1 − 1/r) / 3 = (2/9)·(0.5, 0, −1) / 3
+        assert torch.allclose(grads["behaviour_kl"], torch.tensor([[1 / 9, 0.0, -2 / 9]]) / 3, atol=1e-6)
+    else:  # no behaviour-KL term: its part has a zero gradient
+        assert torch.equal(grads["behaviour_kl"], torch.zeros_like(grads["all"]))
+    for key in set(metrics["all"]) - {"loss/total"}:  # loss/total is the part's loss; the rest are unchanged
+        assert torch.equal(metrics["all"][key], metrics["policy"][key]), key
+    with pytest.raises(ValueError, match="part="):
+        policy_objective(logprobs, old, adv, mask, cfg, num_tokens=3, part="entropy")
