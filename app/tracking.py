@@ -202,11 +202,19 @@ class Tracker:
             self.client.log_artifact(self.run_id, str(path), artifact_path=artifact_path)
 
     def register_checkpoint(
-        self, model_dir: Path, *, name: str, step: int, policy_version: int, eval_accuracy: float | None
+        self,
+        model_dir: Path,
+        *,
+        name: str,
+        step: int,
+        policy_version: int,
+        eval_accuracy: float | None,
+        max_lag: int | None = None,
     ) -> str | None:
         """Log an HF checkpoint directory as run artifacts and register it as a new version of model ``name``.
 
-        Tags: step, policy_version, eval_accuracy (when the checkpoint was evaluated), run_id. Alias ``best``
+        Tags: step, policy_version, eval_accuracy (when the checkpoint was evaluated), max_lag (the lag bound in
+        force, when given), run_id. Alias ``best``
         when its eval_accuracy beats every other version of ``name`` that has one. ``latest`` needs no alias:
         MLflow reserves that name for the newest version (``models:/NAME/latest``; `trustbatch serve` also
         accepts ``models:/NAME@latest``). Returns the version number (None when tracking is off on this rank).
@@ -226,6 +234,8 @@ class Tracker:
         tags = {"step": str(step), "policy_version": str(policy_version), "run_id": self.run_id}
         if eval_accuracy is not None:
             tags["eval_accuracy"] = f"{eval_accuracy:.6f}"
+        if max_lag is not None:
+            tags["max_lag"] = str(max_lag)
         source = f"{self.artifact_uri}/{artifact_path}"
         version = str(self.client.create_model_version(name, source=source, run_id=self.run_id, tags=tags).version)
         if eval_accuracy is not None and eval_accuracy > self._best_accuracy(name, exclude=version):

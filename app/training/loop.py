@@ -17,7 +17,8 @@ One step of `train`: take groups → group advantages → `train_step` (ESS obje
 push them to every rollout server as version `step` (the push finishes in the background; the clock
 advances when every server holds it) → log; every `eval.every` steps evaluate, every `checkpoint.every` steps
 checkpoint and register an MLflow model version. `rollout.max_lag = 0` is the synchronous loop: ticket t
-waits for the weights of step t - 1 (app/training/buffer.py). Held-out evaluation runs before the first step, every
+waits for the weights of step t - 1 (app/training/buffer.py). `rollout.max_lag = auto` moves the bound after
+every step from the step's ESS (app/training/lag.py). Held-out evaluation runs before the first step, every
 `eval.every` steps and after the last. Under `torchrun` every rank runs both tasks on its share of each
 ticket; collectives happen only in the train task, in the same order on every rank. Only rank 0 writes files.
 """
@@ -37,6 +38,7 @@ from app.rollout.fleet import PublishHooks
 from app.scoring import score_texts
 from app.training.batching import build_train_batch
 from app.training.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
+from app.training.lag import LagBound
 from app.training.records import Group, History, Ticket, Utilisation, checkpoint, finish, rate, step_metrics
 from app.training.runtime import Evaluator, Parts, PromptSampler, completions_version, find_resume, setup
 from trainer.advantages import group_advantages, informative_groups
@@ -65,7 +67,11 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
     r, start = cfg.rollout, p.resume.step
     per_rank = len(range(p.dist.rank, r.prompts_per_step, p.dist.world_size))
     clock = PolicyClock(start)
-    buffer: StalenessBuffer[Group] = StalenessBuffer(r.max_lag, capacity=(r.max_lag + 1) * max(per_rank, 1))
+    buffer: StalenessBuffer[Group] = StalenessBuffer(r.lag_limit, capacity=(r.lag_limit + 1) * max(per_rank, 1))
+    lag = LagBound(
+        None if r.auto_lag else int(r.max_lag), min_ess=r.min_ess, limit=r.lag_limit,
+        start=p.resume.state.get("max_lag_in_force", 0),
+    )  # fmt: skip
     generated = Watermark(start)
     evaluator = Evaluator(cfg, p)
     history = History(p, resumed_at=start)
@@ -81,7 +87,7 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
     producer: asyncio.Task | None = None
     try:
         await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer))
-        producer = asyncio.create_task(produce(p, clock, buffer, generated, first_ticket=start + 1))
+        producer = asyncio.create_task(produce(p, clock, buffer, generated, lag, first_ticket=start + 1))
         if start == 0:
             first = await evaluate(0)
             if p.dist.is_main:
@@ -103,6 +109,8 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
         last = start
         for step in bar:
             metrics = await train_one_step(p, buffer, step, per_rank)
+            metrics["rollout/max_lag"] = float(lag.value)  # the bound this step's tickets were issued under
+            lag.observe(metrics["loss/ess"])
             metrics.update(meter.read(metrics["timing/train"], metrics["rollout/samples"]))
             history.add(step, metrics)
             last = step
@@ -112,7 +120,7 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
             if evaluated:
                 await evaluate(step)
             if final or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                await checkpoint(p, evaluator, history, step, evaluated=evaluated)
+                await checkpoint(p, evaluator, history, step, evaluated=evaluated, lag_in_force=lag.value)
             meter.restart()  # evaluation and checkpointing are not part of the next step's wall time
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}",
@@ -141,6 +149,7 @@ async def produce(
     clock: PolicyClock,
     buffer: StalenessBuffer[Group],
     generated: Watermark,
+    lag: LagBound,
     *,
     first_ticket: int,
 ) -> None:
@@ -188,7 +197,7 @@ async def produce(
     try:
         ticket = first_ticket
         while True:
-            await clock.wait_for(ticket_gate(ticket, cfg.rollout.max_lag))
+            await clock.wait_for(ticket_gate(ticket, lag.value))  # the bound in force when the gate is set
             chosen = sampler.take(cfg.rollout.prompts_per_step)[p.dist.rank :: p.dist.world_size]
             mine = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(

@@ -63,7 +63,7 @@ def step_metrics(
     """
     completions = [c for g in groups for c in g.completions]
     scores = [s for g in groups for s in g.scores]
-    max_lag = p.cfg.rollout.max_lag
+    max_lag = p.cfg.rollout.lag_limit
     lag_max = p.reducer.max_(torch.tensor([max(lags)], dtype=torch.float64)).item()
     histogram = [float(sum(lag == k for lag in lags)) for k in range(max_lag + 1)]
     sums = torch.tensor(
@@ -178,8 +178,14 @@ class History:
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-async def checkpoint(p: Parts, evaluator: Evaluator, history: History, step: int, *, evaluated: bool) -> None:
-    """A complete training checkpoint, registered in MLflow as a model version, and old ones pruned."""
+async def checkpoint(
+    p: Parts, evaluator: Evaluator, history: History, step: int, *, evaluated: bool, lag_in_force: int
+) -> None:
+    """A complete training checkpoint, registered in MLflow as a model version, and old ones pruned.
+
+    `lag_in_force`: the lag bound new tickets are issued under (rollout.max_lag, or the one rollout.max_lag=auto
+    has chosen); a resumed run continues from it.
+    """
     cfg = p.cfg
     root = cfg.run.path / "checkpoints"
     accuracy = evaluator.history[-1]["eval/accuracy"] if evaluated else None
@@ -190,6 +196,7 @@ async def checkpoint(p: Parts, evaluator: Evaluator, history: History, step: int
         "mlflow_run_id": p.tracker.run_id,
         "eval_accuracy": accuracy,
         "counters": history.counters,
+        "max_lag_in_force": lag_in_force,
         **evaluator.state(),
     }
     path = await asyncio.to_thread(
@@ -214,6 +221,7 @@ async def checkpoint(p: Parts, evaluator: Evaluator, history: History, step: int
             step=step,
             policy_version=step,
             eval_accuracy=accuracy,
+            max_lag=lag_in_force,
         )
         log.info("step %d: checkpoint %s (model version %s)", step, path, version)
     best = _best_checkpoint(root)
@@ -256,6 +264,7 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
         "final_greedy_answer_rate": after["greedy"].answer_rate if "greedy" in after else None,
         "steps": last,
         "max_lag": cfg.rollout.max_lag,
+        "mean_max_lag_in_force": history.mean("rollout/max_lag"),
         "mean_policy_lag": sum(lags) / len(lags) if lags else 0.0,
         "dropped_groups": int(rows[-1]["buffer/dropped_groups"]) if rows else 0,
         "skipped_steps": int(sum(h["train/skipped"] for h in rows)),
@@ -321,7 +330,9 @@ def summary_lines(summary: dict) -> list[str]:
             if summary.get("initial_answer_rate") is not None
             else []
         ),
-        f"{summary['steps']} steps, {rate(summary['samples_per_s'])} samples/s (max_lag {summary['max_lag']}, "
+        f"{summary['steps']} steps, {rate(summary['samples_per_s'])} samples/s (max_lag {summary['max_lag']}"
+        + (f" (mean in force {summary['mean_max_lag_in_force']:.2f})" if summary["max_lag"] == "auto" else "")
+        + ", "
         f"mean lag {summary['mean_policy_lag']:.2f}, {summary['dropped_groups']} groups dropped), "
         f"wall {summary['wall_s']:.0f} s",
         f"rollout busy {100 * summary['rollout_utilisation']:.0f}% / train busy "

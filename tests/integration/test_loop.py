@@ -9,6 +9,7 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoModelForCausalLM
 
 from app.config import load_config
+from app.training.lag import PATIENCE
 from app.training.loop import run
 
 from .conftest import REPO, TINY_DATA
@@ -151,6 +152,40 @@ def test_exact_lag_trains_each_step_on_samples_exactly_k_versions_old(tmp_path, 
     )
     assert lag_history(summary) == [0.0, 1.0, 2.0, 2.0, 2.0]  # min(k, step - 1): no older weights exist early on
     assert summary["dropped_groups"] == 0
+
+
+def test_auto_lag_raises_the_bound_as_the_ess_allows_and_records_it(tmp_path, tiny_model_dir):
+    """rollout.max_lag=auto with a floor every step clears: the bound starts at 0 (synchronous) and rises by
+    one after each PATIENCE steps; no step trains on samples older than the bound its tickets were issued
+    under; the bound is logged every step and recorded in the checkpoint and its MLflow model version."""
+    steps = 2 * PATIENCE + 1
+    cfg = small_config(
+        tmp_path, tiny_model_dir, "rollout.max_lag=auto", "rollout.min_ess=0.01", f"run.steps={steps}",
+        "eval.every=0", f"checkpoint.every={steps}", "eval.greedy=false",
+    )  # fmt: skip
+    summary = run(cfg)
+    assert summary["steps"] == steps and summary["max_lag"] == "auto"
+    client = MlflowClient(tracking_uri=summary["tracking_uri"])
+    history = client.get_metric_history(summary["mlflow_run_id"], "rollout/max_lag")
+    bounds = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert bounds == [0.0] * PATIENCE + [1.0] * PATIENCE + [2.0]
+    assert summary["mean_max_lag_in_force"] == pytest.approx(sum(bounds) / steps)
+    lags = lag_history(summary)
+    assert all(lag <= bound for lag, bound in zip(lags, bounds, strict=True)), (lags, bounds)
+    assert lags[:PATIENCE] == [0.0] * PATIENCE  # bound 0: the synchronous loop
+    state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())
+    assert state["max_lag_in_force"] == 2  # the bound after the last step, where a resumed run continues
+    (version,) = client.search_model_versions(f"name='{cfg.run.name}'")
+    assert version.tags["max_lag"] == "2"
+    # Resumed for one more step, the run continues at the recorded bound (not at 0).
+    more = small_config(
+        tmp_path, tiny_model_dir, "rollout.max_lag=auto", "rollout.min_ess=0.01", f"run.steps={steps + 1}",
+        "eval.every=0", "eval.greedy=false", "tracking.log_model=false", f"resume={tmp_path / 'run'}",
+    )  # fmt: skip
+    resumed = run(more)
+    assert resumed["resumed_from_step"] == steps
+    history = client.get_metric_history(summary["mlflow_run_id"], "rollout/max_lag")
+    assert [m.value for m in history if m.step == steps + 1] == [2.0]
 
 
 def test_loop_trains_on_a_user_jsonl_file_with_prompts_and_chat_messages(tmp_path, tiny_model_dir):

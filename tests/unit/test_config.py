@@ -113,6 +113,12 @@ def test_flatten_gives_dotted_keys():
         (["rollout.max_new_tokens=4096"], ["rollout.max_new_tokens", "model.tiny.max_position_embeddings"]),
         (["notanoverride"], ["key=value"]),
         (["rollout.max_lag=-1"], ["rollout.max_lag", "-1"]),
+        (["rollout.max_lag=fast"], ["rollout.max_lag='fast'", "or auto"]),
+        (["rollout.max_lag=auto", "rollout.exact_lag=true"], ["rollout.exact_lag=true", "rollout.max_lag=auto"]),
+        (["rollout.max_lag=auto", "rollout.min_ess=0"], ["rollout.min_ess=0", "(0, 1]"]),
+        (["rollout.max_lag=auto", "rollout.min_ess=1.5"], ["rollout.min_ess=1.5"]),
+        (["rollout.max_auto_lag=0"], ["rollout.max_auto_lag=0", ">= 1"]),
+        (["rollout.engine=embedded", "rollout.max_lag=auto"], ["rollout.engine=embedded", "rollout.max_lag=auto"]),
         (["rollout.engine=embedded"], ["rollout.engine=embedded", "rollout.max_lag=1", "rollout.engine=local"]),
         (["rollout.supervision.hang_timeout_s=0"], ["rollout.supervision.hang_timeout_s"]),
         (["checkpoint.keep_last=0"], ["checkpoint.keep_last", "0"]),
@@ -320,3 +326,11 @@ def test_sandbox_section_reaches_code_verifiers_without_their_own():
 def test_unsandboxed_code_needs_explicit_consent():
     with pytest.raises(ConfigError, match="allow_unsandboxed"):
         load_config(None, ["sandbox.backend=none"])
+
+
+def test_max_lag_auto_loads_with_its_floor_and_limit():
+    cfg = load_config(CONFIGS / "quickstart.yaml", ["rollout.max_lag=auto", "rollout.min_ess=0.95"])
+    assert cfg.rollout.max_lag == "auto" and cfg.rollout.auto_lag
+    assert (cfg.rollout.min_ess, cfg.rollout.lag_limit) == (0.95, 8)
+    fixed = load_config(CONFIGS / "quickstart.yaml", ["rollout.max_lag=3"])
+    assert fixed.rollout.max_lag == 3 and not fixed.rollout.auto_lag and fixed.rollout.lag_limit == 3
