@@ -6,13 +6,19 @@ step t - 1 - k (fewer at the start, where no older policy exists), deterministic
 paper's; no clip or staleness knob), `ppo_clip` (GRPO/DAPO surrogate, clip 0.2/0.28, the tuned baseline) and
 `reinforce` (no importance correction). Everything else is the quickstart setup from the same warm start.
 
-Reports held-out sampled pass@1 after the last step per (objective, k), mean over seeds with the seeds'
-standard error, the gain over the start, and the curves (accuracy against step) as a PNG; JSON beside it.
+Reports, per (objective, k), the gain in held-out sampled pass@1 over the start as mean ± across-seed
+standard error (the seed-to-seed spread: training noise and evaluation noise together), the evaluation-only
+SE (paired by prompt), the final accuracy, the mean ESS and the fraction of steps where gradient clipping
+bound; then per k the difference ess − each baseline, paired by seed (same seed: same warm start, prompts
+and evaluation set). Curves and gains as a PNG; JSON beside it. A run already in the JSON (same settings)
+is not run again, so an interrupted sweep resumes.
 
-    .venv/bin/python bench/lag_sweep.py [--lags 0 1 2 4 8] [--objectives ess ppo_clip reinforce]
-        [--seeds 0 1] [--steps 150] [--lr 5e-5] [--out bench/results]
+    .venv/bin/python bench/lag_sweep.py [--lags 0 1 2 4 8 16] [--objectives ess ppo_clip reinforce]
+        [--seeds 0 1 2] [--steps 150] [--lr 5e-5] [--out bench/results] [--quick] [key=value ...]
 
-About 1.5-2 minutes a run on 2 cores: the default grid (30 runs) takes about an hour.
+About 1.2 minutes a run on 2 cores (150 steps, 3 evaluations of 500 prompts): the default grid (54 runs)
+takes about 65 minutes. `--quick` (k 0 and 8, ess and ppo_clip, 2 seeds, 60 steps) about 6 minutes.
+Overrides after the options apply to every run (a variant: `objective.behaviour_kl=k2`).
 """
 
 from __future__ import annotations
@@ -28,16 +34,20 @@ from training_runs import REPO, machine, train
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8])
+    parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     parser.add_argument("--objectives", nargs="+", default=["ess", "ppo_clip", "reinforce"])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=5e-5)
-    parser.add_argument("--eval-every", type=int, default=50)
+    parser.add_argument("--eval-every", type=int, default=75)
     parser.add_argument("--eval-prompts", type=int, default=500)
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--quick", action="store_true", help="k 0 and 8, ess and ppo_clip, 2 seeds, 60 steps")
     parser.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = parser.parse_args()
+    if args.quick:
+        args.lags, args.objectives, args.seeds, args.steps, args.eval_every = [0, 8], ["ess", "ppo_clip"], [0, 1], 60, 60
+        args.out = args.out / "quick" if args.out == REPO / "bench" / "results" else args.out
     config = REPO / "configs" / "quickstart.yaml"
     results_path = args.out / "lag_sweep.json"
     done = {}
@@ -45,6 +55,11 @@ def main() -> int:
         previous = json.loads(results_path.read_text())
         if previous.get("settings") == settings(args):
             done = {(r["objective"], r["lag"], r["seed"]): r for r in previous["runs"]}
+            for (objective, lag, seed), r in done.items():  # runs recorded before clipped_fraction existed
+                metrics = args.out / "lag_sweep" / f"{objective}-lag{lag}-seed{seed}" / "metrics.jsonl"
+                if "clipped_fraction" not in r and metrics.is_file():
+                    steps = [json.loads(line) for line in metrics.read_text().splitlines() if line]
+                    r["clipped_fraction"] = _clipped_fraction(steps)
     total = len(args.objectives) * len(args.lags) * len(args.seeds)
     for objective in args.objectives:
         for lag in args.lags:
@@ -80,13 +95,15 @@ def main() -> int:
                     "mean_ess": _mean(result["steps"], "loss/ess"),
                     "mean_clipfrac": _mean(result["steps"], "loss/clipfrac"),
                     "max_grad_norm": max(r["train/grad_norm"] for r in result["steps"]),
+                    "clipped_fraction": _clipped_fraction(result["steps"]),
                     "skipped_steps": s["skipped_steps"],
                     "curve": [(e["step"], e["eval/accuracy"]) for e in result["evals"]],
                 }
                 save(results_path, args, done)
     table = summarise(done, args)
-    print_table(table, args)
-    save(results_path, args, done, table)
+    pairs = [row for baseline in args.objectives if baseline != "ess" for row in paired(done, args, baseline)]
+    print_table(table, args, pairs)
+    save(results_path, args, done, table, pairs)
     plot(done, table, args, args.out / "lag_sweep.png")
     print(f"wrote {results_path} and {args.out / 'lag_sweep.png'}")
     return 0
@@ -102,44 +119,77 @@ def _mean(rows: list[dict], key: str) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _clipped_fraction(steps: list[dict], max_grad_norm: float = 1.0) -> float:
+    """Fraction of steps where clipping changed the gradient (`train/clipped`; older runs: norm > the clip)."""
+    flags = [r["train/clipped"] if "train/clipped" in r else float(r["train/grad_norm"] > max_grad_norm)
+             for r in steps]
+    return sum(flags) / len(flags) if flags else float("nan")
+
+
+def _mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error across seeds (NaN with one seed)."""
+    mean = sum(values) / len(values)
+    if len(values) < 2:
+        return mean, float("nan")
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in values) / (len(values) - 1) / len(values))
+
+
 def summarise(done: dict, args) -> list[dict]:
     table = []
     for objective in args.objectives:
         for lag in args.lags:
             runs = [done[(objective, lag, s)] for s in args.seeds if (objective, lag, s) in done]
-            finals = [r["final_accuracy"] for r in runs]
-            gains = [r["accuracy_gain"] for r in runs]
-            mean = sum(finals) / len(finals)
-            se = (math.sqrt(sum((x - mean) ** 2 for x in finals) / (len(finals) - 1) / len(finals))
-                  if len(finals) > 1 else float("nan"))
-            # The gain is paired prompt by prompt against the run's own start, so its SE holds the eval noise.
-            gain_se = math.sqrt(sum(r["accuracy_gain_se"] ** 2 for r in runs)) / len(runs)
-            table.append({"objective": objective, "lag": lag, "seeds": len(runs), "final_accuracy": mean,
-                          "final_accuracy_seed_se": se, "gain": sum(gains) / len(gains), "gain_se": gain_se,
-                          "mean_ess": sum(r["mean_ess"] for r in runs) / len(runs)})
+            if not runs:
+                continue
+            final, final_se = _mean_se([r["final_accuracy"] for r in runs])
+            gain, gain_seed_se = _mean_se([r["accuracy_gain"] for r in runs])
+            # The gain is paired prompt by prompt against the run's own start: this SE is the eval noise alone.
+            gain_eval_se = math.sqrt(sum(r["accuracy_gain_se"] ** 2 for r in runs)) / len(runs)
+            table.append({"objective": objective, "lag": lag, "seeds": len(runs), "final_accuracy": final,
+                          "final_accuracy_seed_se": final_se, "gain": gain, "gain_seed_se": gain_seed_se,
+                          "gain_eval_se": gain_eval_se,
+                          "mean_ess": sum(r["mean_ess"] for r in runs) / len(runs),
+                          "max_grad_norm": max(r["max_grad_norm"] for r in runs),
+                          "clipped_fraction": sum(r.get("clipped_fraction", float("nan")) for r in runs) / len(runs)})
     return table
 
 
-def print_table(table: list[dict], args) -> None:
-    print(f"\ngain in held-out sampled pass@1 after {args.steps} steps, points (mean over seeds {args.seeds},"
-          " ± SE paired by prompt); final accuracy in brackets")
+def paired(done: dict, args, baseline: str) -> list[dict]:
+    """Per k: ess − baseline gain, seed by seed (same seed, same warm start and evaluation set), mean ± SE."""
+    rows = []
+    for lag in args.lags:
+        diffs = [done[("ess", lag, s)]["accuracy_gain"] - done[(baseline, lag, s)]["accuracy_gain"]
+                 for s in args.seeds if ("ess", lag, s) in done and (baseline, lag, s) in done]
+        if diffs:
+            mean, se = _mean_se(diffs)
+            rows.append({"lag": lag, "baseline": baseline, "seeds": len(diffs), "diff": mean, "diff_se": se})
+    return rows
+
+
+def print_table(table: list[dict], args, pairs: list[dict]) -> None:
+    print(f"\ngain in held-out sampled pass@1 after {args.steps} steps, points: mean over seeds {args.seeds} "
+          "± across-seed SE; final accuracy in brackets")
     print(f"{'objective':>10} " + " ".join(f"{'k=' + str(k):>22}" for k in args.lags))
     for objective in args.objectives:
         cells = []
         for lag in args.lags:
-            row = next(r for r in table if r["objective"] == objective and r["lag"] == lag)
-            cells.append(f"{100 * row['gain']:+5.2f} ± {100 * row['gain_se']:.2f} [{100 * row['final_accuracy']:5.2f}]")
+            row = next((r for r in table if r["objective"] == objective and r["lag"] == lag), None)
+            cells.append("-" if row is None else
+                         f"{100 * row['gain']:+5.2f} ± {100 * row['gain_seed_se']:.2f} [{100 * row['final_accuracy']:5.2f}]")
         print(f"{objective:>10} " + " ".join(f"{c:>22}" for c in cells))
-    if "ess" in args.objectives:
-        print(f"{'mean ESS':>10} " + " ".join(
-            f"{next(r for r in table if r['objective'] == 'ess' and r['lag'] == k)['mean_ess']:>22.3f}"
+    for pair in {p["baseline"] for p in pairs}:
+        cells = {p["lag"]: f"{100 * p['diff']:+5.2f} ± {100 * p['diff_se']:.2f}" for p in pairs if p["baseline"] == pair}
+        print(f"{'ess-' + pair:>10} " + " ".join(f"{cells.get(k, '-'):>22}" for k in args.lags))
+    for key, label in (("mean_ess", "mean ESS"), ("clipped_fraction", "clip binds"), ("max_grad_norm", "max |g|")):
+        print(f"{label + ' (ess)':>10} " + " ".join(
+            f"{next((r[key] for r in table if r['objective'] == 'ess' and r['lag'] == k), float('nan')):>22.3f}"
             for k in args.lags))
 
 
-def save(path: Path, args, done: dict, table: list[dict] | None = None) -> None:
+def save(path: Path, args, done: dict, table: list[dict] | None = None, pairs: list[dict] | None = None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     report = {"bench": "lag_sweep", "machine": machine(), "settings": settings(args),
-              "runs": list(done.values()), "table": table}
+              "runs": list(done.values()), "table": table, "paired": pairs}
     path.write_text(json.dumps(report, indent=2) + "\n")
 
 
@@ -165,13 +215,13 @@ def plot(done: dict, table: list[dict], args, path: Path) -> None:
     for objective in args.objectives:
         rows = [r for r in table if r["objective"] == objective]
         ax.errorbar([r["lag"] for r in rows], [100 * r["gain"] for r in rows],
-                    yerr=[100 * r["gain_se"] for r in rows], marker="o", capsize=3, label=objective)
+                    yerr=[100 * r["gain_seed_se"] for r in rows], marker="o", capsize=3, label=objective)
     ax.axhline(0, color="#999", lw=0.8)
     ax.set_xscale("symlog", base=2)
     ax.set_xticks(args.lags, [str(k) for k in args.lags])
     ax.set_xlabel("forced policy lag k")
     ax.set_ylabel(f"gain in pass@1 after {args.steps} steps (points)")
-    ax.set_title("gain against lag (± SE paired by prompt)")
+    ax.set_title("gain against lag (± across-seed SE)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
