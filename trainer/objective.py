@@ -295,7 +295,7 @@ def policy_objective(
         entropy: [B, T] token entropies, with gradient; required when `cfg.entropy_coef > 0`.
         part: which terms the returned loss holds: `all` (the objective), or for gradient diagnostics only
             `policy` (the surrogate alone) or `behaviour_kl` (the (1 − ESS)-weighted KL alone; zero for the
-            objectives without one). The metrics but `loss/total` (the returned loss) are the same
+            objectives without one). Neither part holds the entropy or reference-KL terms. The metrics but `loss/total` (the returned loss) are the same
             whatever the part.
 
     Returns:
@@ -325,7 +325,10 @@ def policy_objective(
         raise ValueError(f"part={part!r} must be one of {list(LOSS_PARTS)}")
     if ess is None:
         ess = ess_from_sums(ess_partial_sums(ratio, mask))
+    if isinstance(ess, Tensor) and ess.ndim == 0:
+        ess = float(ess)
     if isinstance(ess, Tensor):
+        ess = ess.to(mask.device)
         if ess.shape != (mask.shape[0],):
             raise ValueError(
                 f"a per-sequence ess must have shape [B] = ({mask.shape[0]},), got {tuple(ess.shape)}"

@@ -347,7 +347,7 @@ def train_step(
                     max_metrics[key] = torch.maximum(max_metrics[key], value) if key in max_metrics else value
                 else:
                     sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
-        return local_loss, sum_metrics, max_metrics, ess_values or sequence_sums
+        return local_loss, sum_metrics, max_metrics, sequence_sums if cfg.ess_scope == "sequence" else ess_values
 
     # Diagnostics: the gradient of each term alone, measured and thrown away before the training pass.
     diagnostics: dict[str, float] = {}
@@ -356,7 +356,8 @@ def train_step(
             backward_pass(part)
             norm = torch.nn.utils.clip_grad_norm_(trainable(), math.inf)
             diagnostics[f"train/grad_norm/{part}"] = float(full_value(norm))
-            optimizer.zero_grad(set_to_none=True)
+            for param in trainable():  # every parameter, not only the optimizer's: nothing leaks into the step
+                param.grad = None
 
     # (b) Forward/backward per micro-batch; gradients accumulate in .grad.
     local_loss, sum_metrics, max_metrics, ess_values = backward_pass("all")

@@ -3,20 +3,29 @@
 `rollout.max_lag: auto` lets the run decide how far generation may run ahead of training. The ESS of a step
 (trainer/README.md) measures how far the policy has moved from the policies that generated its samples: it
 falls as the lag grows, and how fast depends on the learning rate, the model and the task, which is why a
-fixed lag is a guess. The rule, after every step, with the step's ESS `e` and the floor `rollout.min_ess`:
+fixed lag is a guess. Each ticket is issued under the bound in force when the producer reaches it, and a
+step's samples come from tickets issued a few steps earlier, so every step reports the bound its tickets were
+issued under (`rollout/max_lag`) and the rule reads a step only for the bound it measured. After every step,
+with the step's ESS `e`, the floor `rollout.min_ess` and the bound in force `B`:
 
+- a step issued under a bound above `B` (from before the last drop) is ignored: it measured a bound no longer
+  in force, and counting it would drop the bound again for the same cause;
 - `e < min_ess`: the bound drops by one at once (not below 0, the synchronous loop);
-- `e >= min_ess` on each of the last `PATIENCE` steps since the bound last changed: it rises by one (not
-  above `rollout.max_auto_lag`).
+- `e >= min_ess` on `PATIENCE` steps issued under `B` itself since the bound last changed: it rises by one (not
+  above `rollout.max_auto_lag`). Steps issued under a lower bound (from before the last raise) neither count
+  nor reset the count.
+- a skipped step (non-finite loss: its ESS means nothing) changes nothing.
 
-So the bound backs off on the first step that is too far off-policy, and is raised only after a run of
-steps that all stayed above the floor at the current bound. A new run starts at 0 (synchronous); a resumed
-run continues from the bound its checkpoint recorded. Every rank sees the same (globally reduced) ESS, so
-every rank's bound is the same.
+So the bound backs off on the first step that is too far off-policy, and is raised only after a run of steps
+measured at the current bound that all stayed above the floor. A new run starts at 0 (synchronous); a resumed
+run continues from the bound its checkpoint recorded (and counts good steps afresh). Every rank sees the same
+(globally reduced) ESS and issued bound, so every rank's bound is the same.
 
-The bound limits which tickets may start (`ticket_gate` in app/training/buffer.py); groups already
-generated under a larger bound are still trained, up to `max_auto_lag`, so lowering the bound wastes no
-samples. Pure logic: no asyncio, no torch.
+The ESS read is `loss/ess`, whatever `trainer.ess_scope`: with `sequence` it is the token-weighted mean of
+the sequences' own ESS, which runs higher than one ESS over a micro-batch, so the same floor is looser there.
+The bound limits which tickets may start (`ticket_gate` in app/training/buffer.py); groups already generated
+under a larger bound are still trained, up to `max_auto_lag`, so lowering the bound wastes no samples. Pure
+logic: no asyncio, no torch.
 """
 
 from __future__ import annotations
@@ -47,18 +56,24 @@ class LagBound:
     def auto(self) -> bool:
         return self.fixed is None
 
-    def observe(self, ess: float) -> int:
+    def observe(self, ess: float, *, issued_under: int | None = None) -> int:
         """Move the bound after a step whose ESS was `ess`; returns the bound for the next tickets.
 
-        A non-finite ESS (a skipped step) leaves the bound and the count of good steps where they are.
+        `issued_under`: the largest bound the step's tickets were issued under (None: the current one). A
+        non-finite ESS (pass NaN for a skipped step) leaves the bound and the count where they are.
         """
         if self.fixed is not None or not math.isfinite(ess):
+            return self.value
+        issued = self.value if issued_under is None else issued_under
+        if issued > self.value:  # measured a bound dropped since: already acted on
             return self.value
         if ess < self.min_ess:
             self._above = 0
             if self.value > 0:
                 self.value -= 1
                 self.changes += 1
+            return self.value
+        if issued < self.value:  # measured the bound before the last raise: says nothing about this one
             return self.value
         self._above += 1
         if self._above >= PATIENCE and self.value < self.limit:

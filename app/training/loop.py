@@ -109,8 +109,9 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
         last = start
         for step in bar:
             metrics = await train_one_step(p, buffer, step, per_rank)
-            metrics["rollout/max_lag"] = float(lag.value)  # the bound this step's tickets were issued under
-            lag.observe(metrics["loss/ess"])
+            # A skipped step's ESS says nothing (a diverged model's NaN ratios even read as ESS 1).
+            ess = float("nan") if metrics["train/skipped"] else metrics["loss/ess"]
+            metrics["rollout/lag_bound"] = float(lag.observe(ess, issued_under=int(metrics["rollout/max_lag"])))
             metrics.update(meter.read(metrics["timing/train"], metrics["rollout/samples"]))
             history.add(step, metrics)
             last = step
@@ -167,7 +168,9 @@ async def produce(
     queued_before: asyncio.Future | None = None
     tasks: set[asyncio.Task] = set()
 
-    async def one_ticket(ticket: int, chosen: list[int], turn: asyncio.Future | None, mine: asyncio.Future):
+    async def one_ticket(
+        ticket: int, bound: int, chosen: list[int], turn: asyncio.Future | None, mine: asyncio.Future
+    ):
         try:
             completions = await p.fleet.generate(
                 [p.train.ids[i] for i in chosen],
@@ -179,7 +182,7 @@ async def produce(
             rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
             texts = [p.decode(c.output_ids) for c in completions]
             scores, scoring = await asyncio.to_thread(score_texts, p.runner, rows, texts)
-            n, record = p.sampling.n, Ticket(ticket, scoring)
+            n, record = p.sampling.n, Ticket(ticket, scoring, lag_bound=bound)
             groups = [
                 Group(record, completions[k * n : (k + 1) * n], scores[k * n : (k + 1) * n])
                 for k in range(len(chosen))
@@ -197,11 +200,12 @@ async def produce(
     try:
         ticket = first_ticket
         while True:
-            await clock.wait_for(ticket_gate(ticket, lag.value))  # the bound in force when the gate is set
+            bound = lag.value  # the bound this ticket is issued under (a later change does not move its gate)
+            await clock.wait_for(ticket_gate(ticket, bound))
             chosen = sampler.take(cfg.rollout.prompts_per_step)[p.dist.rank :: p.dist.world_size]
             mine = asyncio.get_running_loop().create_future()
             task = asyncio.create_task(
-                one_ticket(ticket, chosen, queued_before, mine), name=f"ticket-{ticket}"
+                one_ticket(ticket, bound, chosen, queued_before, mine), name=f"ticket-{ticket}"
             )
             tasks.add(task)
             task.add_done_callback(tasks.discard)

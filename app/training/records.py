@@ -33,11 +33,13 @@ log = logging.getLogger("trustbatch")
 
 @dataclass(frozen=True)
 class Ticket:
-    """One ticket's prompts as scored: its number and the scoring metrics of all its samples (error and
-    timeout rates, per-verifier means). Every group of the ticket points at the same record."""
+    """One ticket's prompts as scored: its number, the scoring metrics of all its samples (error and
+    timeout rates, per-verifier means) and the lag bound it was issued under. Every group of the ticket points
+    at the same record."""
 
     number: int
     scoring: dict[str, float]
+    lag_bound: int = 0
 
 
 @dataclass
@@ -64,7 +66,9 @@ def step_metrics(
     completions = [c for g in groups for c in g.completions]
     scores = [s for g in groups for s in g.scores]
     max_lag = p.cfg.rollout.lag_limit
-    lag_max = p.reducer.max_(torch.tensor([max(lags)], dtype=torch.float64)).item()
+    lag_max, issued_under = p.reducer.max_(
+        torch.tensor([max(lags), max(g.ticket.lag_bound for g in groups)], dtype=torch.float64)
+    ).tolist()
     histogram = [float(sum(lag == k for lag in lags)) for k in range(max_lag + 1)]
     sums = torch.tensor(
         [
@@ -96,6 +100,7 @@ def step_metrics(
         "advantage/zero_variance_groups": zero_var,
         "rollout/policy_lag/mean": lag / num_groups,
         "rollout/policy_lag/max": lag_max,
+        "rollout/max_lag": issued_under,
         **{f"rollout/policy_lag/frac_{k}": count / num_groups for k, count in enumerate(hist)},
         **{k: sum(m.get(k, 0.0) for m in tickets.values()) / len(tickets) for k in keys},
     }

@@ -156,9 +156,10 @@ def test_exact_lag_trains_each_step_on_samples_exactly_k_versions_old(tmp_path, 
 
 def test_auto_lag_raises_the_bound_as_the_ess_allows_and_records_it(tmp_path, tiny_model_dir):
     """rollout.max_lag=auto with a floor every step clears: the bound starts at 0 (synchronous) and rises by
-    one after each PATIENCE steps; no step trains on samples older than the bound its tickets were issued
-    under; the bound is logged every step and recorded in the checkpoint and its MLflow model version."""
-    steps = 2 * PATIENCE + 1
+    one after PATIENCE steps measured at it; no step trains on samples older than the bound its tickets were
+    issued under; the bound is logged every step and recorded in the checkpoint and its MLflow model version,
+    and a resumed run continues from it."""
+    steps = 3 * PATIENCE
     cfg = small_config(
         tmp_path, tiny_model_dir, "rollout.max_lag=auto", "rollout.min_ess=0.01", f"run.steps={steps}",
         "eval.every=0", f"checkpoint.every={steps}", "eval.greedy=false",
@@ -166,17 +167,24 @@ def test_auto_lag_raises_the_bound_as_the_ess_allows_and_records_it(tmp_path, ti
     summary = run(cfg)
     assert summary["steps"] == steps and summary["max_lag"] == "auto"
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
-    history = client.get_metric_history(summary["mlflow_run_id"], "rollout/max_lag")
-    bounds = [m.value for m in sorted(history, key=lambda m: m.step)]
-    assert bounds == [0.0] * PATIENCE + [1.0] * PATIENCE + [2.0]
-    assert summary["mean_max_lag_in_force"] == pytest.approx(sum(bounds) / steps)
-    lags = lag_history(summary)
-    assert all(lag <= bound for lag, bound in zip(lags, bounds, strict=True)), (lags, bounds)
-    assert lags[:PATIENCE] == [0.0] * PATIENCE  # bound 0: the synchronous loop
+
+    def history(key):
+        return [m.value for m in sorted(client.get_metric_history(summary["mlflow_run_id"], key), key=lambda m: m.step)]
+
+    bounds, issued, lags = history("rollout/lag_bound"), history("rollout/max_lag"), lag_history(summary)
+    assert len(bounds) == len(issued) == len(lags) == steps
+    # Steps 1..PATIENCE were all issued under bound 0 (the synchronous loop); then it rose to 1.
+    assert issued[:PATIENCE] == [0.0] * PATIENCE and lags[:PATIENCE] == [0.0] * PATIENCE
+    assert bounds[:PATIENCE] == [0.0] * (PATIENCE - 1) + [1.0]
+    assert bounds == sorted(bounds) and bounds[-1] >= 1.0  # the floor never bit: the bound only rose
+    for step in range(steps):  # samples no older than the bound they were issued under, and that bound no
+        # larger than the one in force before the step
+        assert lags[step] <= issued[step] <= (bounds[step - 1] if step else 0.0), (step, lags, issued, bounds)
+    assert summary["mean_max_lag_in_force"] == pytest.approx(sum(issued) / steps)
     state = json.loads((tmp_path / "run" / "checkpoints" / f"step-{steps:06d}" / "state.json").read_text())
-    assert state["max_lag_in_force"] == 2  # the bound after the last step, where a resumed run continues
+    assert state["max_lag_in_force"] == bounds[-1]  # where a resumed run continues
     (version,) = client.search_model_versions(f"name='{cfg.run.name}'")
-    assert version.tags["max_lag"] == "2"
+    assert version.tags["max_lag"] == str(int(bounds[-1]))
     # Resumed for one more step, the run continues at the recorded bound (not at 0).
     more = small_config(
         tmp_path, tiny_model_dir, "rollout.max_lag=auto", "rollout.min_ess=0.01", f"run.steps={steps + 1}",
@@ -184,8 +192,7 @@ def test_auto_lag_raises_the_bound_as_the_ess_allows_and_records_it(tmp_path, ti
     )  # fmt: skip
     resumed = run(more)
     assert resumed["resumed_from_step"] == steps
-    history = client.get_metric_history(summary["mlflow_run_id"], "rollout/max_lag")
-    assert [m.value for m in history if m.step == steps + 1] == [2.0]
+    assert history("rollout/max_lag")[steps] == bounds[-1]  # its first ticket was issued under that bound
 
 
 def test_loop_trains_on_a_user_jsonl_file_with_prompts_and_chat_messages(tmp_path, tiny_model_dir):

@@ -55,3 +55,20 @@ def test_bad_arguments_are_refused(kwargs, message):
     fixed = kwargs.pop("fixed")
     with pytest.raises(ValueError, match=message):
         LagBound(fixed, **kwargs)
+
+
+def test_steps_measured_under_another_bound_are_read_for_what_they_measured():
+    bound = LagBound(None, min_ess=0.9, limit=8, start=3)
+    # A bad step at bound 3 drops it to 2; the bad steps still in flight from bound 3 do not drop it again.
+    assert bound.observe(0.5, issued_under=3) == 2
+    assert [bound.observe(0.5, issued_under=3) for _ in range(3)] == [2, 2, 2]
+    # A bad step measured at the current bound (or below it) does.
+    assert bound.observe(0.5, issued_under=2) == 1
+    # After a raise, good steps from the old bound do not count toward the next raise...
+    for _ in range(PATIENCE):
+        bound.observe(0.95, issued_under=1)
+    assert bound.value == 2
+    assert [bound.observe(0.95, issued_under=1) for _ in range(2 * PATIENCE)] == [2] * (2 * PATIENCE)
+    # ...only steps measured at the new bound do, and a bad old-bound step still lowers it.
+    assert [bound.observe(0.95, issued_under=2) for _ in range(PATIENCE)][-1] == 3
+    assert bound.observe(0.5, issued_under=2) == 2
