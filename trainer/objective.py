@@ -155,18 +155,13 @@ def ess_per_sequence(ratio: Tensor, mask: Tensor) -> Tensor:
     """One ESS per row: (Σ_t r)² / (n_i · Σ_t r²) over row i's masked tokens; float64 [B], detached.
 
     The per-sequence scope (FeynRL `calculate_seq_ess`): a sequence whose own ratios are uneven gets a tight
-    cap and a strong pull toward the behaviour policy, whatever the rest of the batch looks like. Each value
-    follows `ess_from_sums` on that row alone: 1.0 for a row with no valid token or a non-finite or zero sum,
+    cap and a strong pull toward the behaviour policy, whatever the rest of the batch looks like. Each value is
+    `ess_from_sums` of that row's sums: 1.0 for a row with no valid token or a non-finite or zero sum,
     otherwise clamped into [1/n_i, 1].
     """
     r = torch.where(mask, ratio.detach().to(torch.float64), 0.0)
-    total, total_sq = r.sum(-1), (r * r).sum(-1)
-    count = mask.sum(-1).to(torch.float64)
-    ok = (count > 0) & torch.isfinite(total) & torch.isfinite(total_sq) & (total_sq > 0)
-    ess = (total * total) / (count.clamp(min=1.0) * torch.where(ok, total_sq, 1.0))
-    ok = ok & torch.isfinite(ess)
-    ess = torch.minimum(torch.maximum(ess, 1.0 / count.clamp(min=1.0)), torch.ones_like(ess))
-    return torch.where(ok, ess, 1.0)
+    sums = torch.stack([r.sum(-1), (r * r).sum(-1), mask.sum(-1).to(torch.float64)], dim=-1).cpu()
+    return torch.tensor([ess_from_sums(row) for row in sums], dtype=torch.float64, device=ratio.device)
 
 
 def ess_from_sums(sums: Tensor) -> float:
@@ -295,8 +290,8 @@ def policy_objective(
         entropy: [B, T] token entropies, with gradient; required when `cfg.entropy_coef > 0`.
         part: which terms the returned loss holds: `all` (the objective), or for gradient diagnostics only
             `policy` (the surrogate alone) or `behaviour_kl` (the (1 − ESS)-weighted KL alone; zero for the
-            objectives without one). Neither part holds the entropy or reference-KL terms. The metrics but `loss/total` (the returned loss) are the same
-            whatever the part.
+            objectives without one). Neither part holds the entropy or reference-KL terms. The metrics but
+            `loss/total` (the returned loss) are the same whatever the part.
 
     Returns:
         (loss, metrics): the 0-dim float32 loss [Σ per-token terms] / N, and the metrics listed in the
@@ -357,17 +352,18 @@ def policy_objective(
             raise ValueError(f"objective.name={cfg.name!r} is not one of {list(OBJECTIVE_NAMES)}")
     policy_sum = torch.where(mask, token_loss, 0.0).sum()
     kl_sum = kl_behaviour.sum()
+    weighted_kl_sum: Tensor | None = None  # (1 − ESS)·Σ kl; None: no behaviour-KL term (baselines, ESS = 1)
     if isinstance(kl_coef, Tensor):
         weighted_kl_sum = (kl_coef * kl_behaviour).sum()
-    else:
-        weighted_kl_sum = kl_coef * kl_sum if kl_coef != 0 else torch.zeros_like(policy_sum)
+    elif kl_coef != 0:
+        weighted_kl_sum = kl_coef * kl_sum
     match part:
         case "all":
-            loss_sum = policy_sum + weighted_kl_sum if cfg.name == "ess" else policy_sum
+            loss_sum = policy_sum if weighted_kl_sum is None else policy_sum + weighted_kl_sum
         case "policy":
             loss_sum = policy_sum
-        case "behaviour_kl":
-            loss_sum = weighted_kl_sum + 0.0 * policy_sum  # 0 * keeps the graph (and FSDP's hooks) the same
+        case "behaviour_kl":  # 0 · policy_sum keeps the graph (and FSDP's hooks) the same when there is no term
+            loss_sum = 0.0 * policy_sum if weighted_kl_sum is None else weighted_kl_sum + 0.0 * policy_sum
 
     metrics: dict[str, Tensor] = {}
     if entropy is not None:
