@@ -107,5 +107,6 @@ def test_waiting_for_a_free_sandbox_does_not_use_up_the_wall_limit(backend):
             release.join()
     for result in results:
         assert (result.stdout, result.timed_out, result.exit_code) == ("done\n", False, 0), result
-        # measured from acquisition: well under the 2.5-4.5 s the runs waited (1 s of slack for a busy machine)
-        assert result.wall_s < limits.wall_s + 1.0, result
+        # Measured from acquisition: a clock that counted the wait (at least 2.5 s) would read at least
+        # 2.5 + 1.5 s, so that is the bound; below it a busy machine may add any startup delay.
+        assert result.wall_s < 2.5 + 1.5, result
