@@ -64,6 +64,8 @@ from trainer.objective import (
 )
 
 ESS_SCOPES: tuple[str, ...] = ("micro_batch", "step", "sequence")
+# ess_scope=sequence: Σ ESS_i·n_i and Σ n_i, reduced with the SUM metrics and popped from the result.
+_SEQ_ESS_SUM, _SEQ_ESS_TOKENS = "_sequence_ess/weighted_sum", "_sequence_ess/tokens"
 
 
 @dataclass
@@ -299,13 +301,12 @@ def train_step(
     def backward_pass(part: LossPart) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], list[float]]:
         """Forward/backward of `part` per micro-batch; gradients accumulate in .grad. Local loss and metrics.
 
-        The ESS values: one per micro-batch, or for the per-sequence scope this rank's (Σ ESS_i·n_i, Σ n_i)
-        over its rows (SUM-reduced by the caller into the token-weighted mean).
+        The ESS values: one per micro-batch (none for the per-sequence scope, whose Σ ESS_i·n_i and Σ n_i
+        travel with the SUM metrics instead, to become the token-weighted mean over all ranks).
         """
         sum_metrics: dict[str, Tensor] = {}
         max_metrics: dict[str, Tensor] = {}
         ess_values: list[float] = []
-        sequence_sums = [0.0, 0.0]
         local_loss = torch.zeros((), dtype=torch.float64, device=device)
         for mb in micro_batches:
             logprobs, entropy = forward(mb)
@@ -318,9 +319,9 @@ def train_step(
                 ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
                 if cfg.ess_scope == "sequence":
                     ess = ess_per_sequence(ratio, mb.mask)
-                    counts = mb.mask.sum(-1).to(torch.float64).cpu()
-                    sequence_sums[0] += float((ess.cpu() * counts).sum())
-                    sequence_sums[1] += float(counts.sum())
+                    counts = mb.mask.sum(-1).to(torch.float64)
+                    for key, value in ((_SEQ_ESS_SUM, (ess * counts).sum()), (_SEQ_ESS_TOKENS, counts.sum())):
+                        sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
                 else:
                     ess = _reduced_ess(ess_partial_sums(ratio, mb.mask), reducer)
             loss, metrics = policy_objective(
@@ -347,7 +348,7 @@ def train_step(
                     max_metrics[key] = torch.maximum(max_metrics[key], value) if key in max_metrics else value
                 else:
                     sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
-        return local_loss, sum_metrics, max_metrics, sequence_sums if cfg.ess_scope == "sequence" else ess_values
+        return local_loss, sum_metrics, max_metrics, ess_values
 
     # Diagnostics: the gradient of each term alone, measured and thrown away before the training pass.
     diagnostics: dict[str, float] = {}
@@ -387,7 +388,7 @@ def train_step(
         maxed = reducer.max_(torch.stack([max_metrics[k] for k in max_keys]).cpu())
         result.update(zip(max_keys, maxed.tolist(), strict=True))
     if cfg.ess_scope == "sequence":  # the token-weighted mean of the sequences' ESS over all ranks
-        weighted, count = reducer.sum_(torch.tensor(ess_values, dtype=torch.float64)).tolist()
+        weighted, count = result.pop(_SEQ_ESS_SUM), result.pop(_SEQ_ESS_TOKENS)
         result["loss/ess"] = weighted / count if count > 0 else 1.0
     else:
         result["loss/ess"] = sum(ess_values) / len(ess_values)
