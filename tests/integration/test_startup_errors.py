@@ -201,14 +201,16 @@ def test_paths_this_user_cannot_look_at_are_a_problem_not_a_traceback(tmp_path):
     (locked / "inner").mkdir(parents=True)
     locked.chmod(0o700)
     as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--", sys.executable, "-c"]
-    if subprocess.run([*as_nobody, "pass"], capture_output=True).returncode != 0:
-        pytest.skip("the interpreter cannot run as uid 65534 from this checkout")
+    repo = Path(__file__).parents[2]
+    # A checkout under a private directory (mktemp -d is 0700) may run the interpreter yet hide the code.
+    if subprocess.run([*as_nobody, "import app.config"], capture_output=True, cwd=repo).returncode != 0:
+        pytest.skip("this checkout cannot be imported as uid 65534 (a private directory above it)")
     code = (
         "import sys; from app.config import writable_dir_problem; from app.tracking import store_problem; "
         f"print(writable_dir_problem({str(locked / 'inner' / 'run')!r})); "
         f"print(store_problem('sqlite:///{locked / 'inner' / 'mlflow.db'}'))"
     )
-    out = subprocess.run([*as_nobody, code], capture_output=True, text=True, cwd=Path(__file__).parents[2])
+    out = subprocess.run([*as_nobody, code], capture_output=True, text=True, cwd=repo)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 2 and all("Permission denied" in line for line in lines), out.stdout
