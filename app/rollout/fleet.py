@@ -187,6 +187,7 @@ class Fleet:
         self._healthy.set()
         self._fatal: BaseException | None = None
         self._watchdog: asyncio.Task | None = None
+        self._watchdog_stopping = False
 
     @property
     def http(self) -> bool:
@@ -331,17 +332,22 @@ class Fleet:
 
     async def stop_watchdog(self) -> None:
         if self._watchdog is not None:
+            # The flag ends the loop even where a library swallows the cancellation (asyncio.wait_for did on
+            # Python 3.11 when the cancel met a completing /health probe: a run that never finished).
+            self._watchdog_stopping = True
             self._watchdog.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watchdog
+            await asyncio.gather(self._watchdog, return_exceptions=True)  # a cancel of this call still raises
             self._watchdog = None
+            self._watchdog_stopping = False
 
     async def _watch(self) -> None:
         assert isinstance(self.engine, SGLangClient)
         last_ok = {server.url: time.monotonic() for server in self.servers}
-        while True:
+        while not self._watchdog_stopping:
             await asyncio.sleep(self.cfg.watchdog_interval_s)
             for server in self.servers:
+                if self._watchdog_stopping:
+                    return
                 code = server.exited()
                 if code is None:
                     ok, detail = await self.engine.probe(server.url, min(10.0, self.cfg.hang_timeout_s))

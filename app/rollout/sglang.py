@@ -449,10 +449,9 @@ class SGLangClient:
     async def probe(self, url: str, timeout_s: float) -> tuple[bool, str]:
         """One GET /health of one server: (healthy?, what it answered or why it did not)."""
         try:
-            response = await asyncio.wait_for(
-                self._http.get(url + "/health", timeout=httpx.Timeout(timeout_s)), timeout_s
-            )
-        except (httpx.TimeoutException, asyncio.TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                response = await self._http.get(url + "/health", timeout=httpx.Timeout(timeout_s))
+        except (TimeoutError, httpx.TimeoutException):
             return False, f"GET /health timed out after {timeout_s:g} s"
         except httpx.TransportError as exc:
             return False, f"{type(exc).__name__}: {exc}"
@@ -577,7 +576,7 @@ class SGLangClient:
                         response = await self._send(method, url + path, body)
                 else:
                     response = await self._send(method, url + path, body)
-            except (httpx.TimeoutException, asyncio.TimeoutError):
+            except (TimeoutError, httpx.TimeoutException):
                 error = f"{url}: timed out after {self.cfg.timeout_s:g} s (rollout.sglang.timeout_s)"
                 continue
             except httpx.TransportError as exc:
@@ -596,9 +595,11 @@ class SGLangClient:
         )
 
     async def _send(self, method: str, url: str, body: dict | None) -> httpx.Response:
-        # httpx's timeouts bound each read; wait_for bounds the whole request, so a server that trickles
-        # bytes cannot hold a request past timeout_s either.
-        return await asyncio.wait_for(self._http.request(method, url, json=body), self.cfg.timeout_s)
+        # httpx's timeouts bound each read; the outer timeout bounds the whole request, so a server that
+        # trickles bytes cannot hold a request past timeout_s either. asyncio.timeout, not asyncio.wait_for:
+        # on Python 3.11 wait_for swallows a cancellation that arrives as the request completes.
+        async with asyncio.timeout(self.cfg.timeout_s):
+            return await self._http.request(method, url, json=body)
 
 
 SGLangEngine = SGLangClient

@@ -392,7 +392,8 @@ async def health_generate(request: Request) -> JSONResponse:
     engine = _state(request).model.engine
     greedy = SamplingParams(max_new_tokens=1, temperature=0.0)
     try:
-        await asyncio.wait_for(asyncio.to_thread(engine.generate_sync, [[0]], greedy), timeout=20)
+        async with asyncio.timeout(20):
+            await asyncio.to_thread(engine.generate_sync, [[0]], greedy)
     except Exception as exc:  # noqa: BLE001
         return error_response(
             RequestError(f"health generation failed: {type(exc).__name__}: {exc}", status=503)

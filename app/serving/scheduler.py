@@ -127,8 +127,7 @@ class Scheduler:
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await asyncio.gather(self._task, return_exceptions=True)  # a cancel of stop() itself still raises
         self._executor.shutdown(wait=False)
 
     @property
@@ -184,8 +183,11 @@ class Scheduler:
                 if remaining <= 0:
                     break
                 self._wakeup.clear()
+                # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a stop() that arrives as a
+                # request wakes the loop, and this loop would then never end.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await self._wakeup.wait()
             if self.paused or not self.queue:
                 continue
             batch = self._take()

@@ -254,3 +254,29 @@ def test_bad_prompts_and_sources_are_rejected(engine):
         engine.generate_sync([[3, VOCAB]], greedy())
     with pytest.raises(ValueError, match="exactly one"):
         WeightSource()
+
+
+def test_scheduler_stops_when_the_stop_meets_a_request_waking_it(engine):
+    """A stop() that arrives in the same event-loop turn as a request waking the batch-window wait ends the
+    scheduler. With asyncio.wait_for on Python 3.11 the cancellation was swallowed (the wait had completed) and
+    the loop ran on forever; the same race hung a training run at shutdown in its rollout watchdog."""
+    from app.serving.scheduler import Scheduler
+
+    async def scenario() -> list:
+        scheduler = Scheduler(engine, max_batch_size=64, batch_window_s=600.0)
+        scheduler.start()
+        first = scheduler.enqueue(PROMPTS[0], greedy(2))
+        for _ in range(5):
+            await asyncio.sleep(0)  # the loop is now in its batch-window wait, for up to 600 s
+        assert scheduler.alive and not first.done()
+        scheduler.enqueue(PROMPTS[1], greedy(2))  # wakes the wait ...
+        stopping = asyncio.ensure_future(scheduler.stop())  # ... and the stop arrives in the same turn
+        await asyncio.wait([stopping], timeout=60)  # a hang detector, not a speed bound: stop() takes no time
+        if not stopping.done():
+            scheduler._task.cancel()  # a second cancel lands (the loop is in its idle wait): clean up, then fail
+            await stopping
+            pytest.fail("Scheduler.stop() did not return: its cancellation was swallowed and the loop ran on")
+        return [scheduler.alive, first.done()]
+
+    alive, generated = asyncio.run(scenario())
+    assert not alive and not generated  # stopped inside the window: nothing ran
