@@ -1,0 +1,449 @@
+"""trustbatch against Hugging Face TRL's GRPOTrainer on the quickstart setup, at equal training wall time.
+
+For each seed, one run after another on this machine (never in parallel): `trustbatch train
+configs/quickstart.yaml run.time_limit_s=T` (asynchronous, max_lag 1, the ESS objective), then TRL 1.16.0's
+`GRPOTrainer` (bench/trl_worker.py, in its own virtualenv .venv-trl built by bench/trl_env/build.sh) for the
+same T seconds of training, both from the quickstart's warm-started tiny model. Both final models, and the
+starting model once, are then scored by the same command, `trustbatch eval`: held-out sampled pass@1 on the
+builtin:arithmetic test split (1500 prompts x 4 samples, temperature 1.0, 8 new tokens, sampling seed 0, so
+every model is sampled with the same random streams). Prints a table (steps, completions/s, pass@1 start →
+end, gain ± SE paired by prompt), the mean over seeds ± the across-seed SE per system, the completions/s ratio
+trustbatch/TRL and the gain difference paired by seed; writes bench/results/vs_trl.json.
+
+    bash bench/trl_env/build.sh                     (run by this script too; a no-op when up to date)
+    .venv/bin/python bench/vs_trl.py [--seconds 300] [--seeds 0 1 2] [--quick]
+
+Matched (TRL's side read from trl/trainer/grpo_trainer.py and grpo_config.py of trl 1.16.0):
+- Model: the same warm-started directory (a fresh copy for TRL), trained in float32 on both sides. TRL's
+  defaults bf16=True (autocast) and gradient checkpointing on are turned off.
+- Prompts: the builtin:arithmetic train split (the 20,000 rows `trustbatch train` generates), written to JSONL
+  by this script. TRL tokenizes a plain prompt with the tokenizer's defaults; the worker checks that these are
+  the ids trustbatch's engines get (no special tokens added).
+- Reward: trustbatch's own `math` verifier with the config's params (numeric_answer: true), a sample it cannot
+  judge scoring rewards.error_reward (0), called in-process by TRL's reward function.
+- Batch: 32 prompts x 8 completions = 256 completions per optimizer step, each used for one step: TRL's
+  per_device_train_batch_size is counted in completions, so it is 256 with gradient_accumulation_steps=1,
+  hence steps_per_generation=1 and one generation batch per optimizer step; num_iterations=1.
+- Sampling: temperature 1.0, top_p 1.0, no top-k, at most 8 new tokens, stopping at EOS and <|im_end|> (the
+  worker declares both in the model's generation_config, where GRPOTrainer takes its stop ids from).
+- Advantages: (reward − group mean) / (group std + eps), the std Bessel-corrected on both sides
+  (scale_rewards="group"; eps is 1e-4 in TRL, 1e-6 in trustbatch). No KL penalty: beta=0, so TRL loads no
+  reference model (trustbatch's objective.ref_kl_coef is 0).
+- Optimizer: AdamW, lr 3e-5 constant (TRL's default linear decay replaced), no warm-up, betas (0.9, 0.999),
+  eps 1e-8, no weight decay, gradients clipped at norm 1.0.
+- Loss normalisation: token-level on both sides: TRL's loss_type="dapo" divides the summed token losses by
+  the number of completion tokens of the generation batch, trustbatch by the number of tokens it trains on.
+- Time: each stops after the first optimizer step that ends T seconds of training wall time after it began
+  (trustbatch: run.time_limit_s, evaluations excluded; TRL: a TrainerCallback from on_train_begin, model
+  loading excluded). completions/s = completions the trainer consumed / that training wall time.
+- Evaluation: the same `trustbatch eval` command, prompts, samples, temperature and seed for every model.
+
+Not matched (what each system is):
+- Generation: TRL without vLLM generates inside its training step with transformers `generate` on the
+  training model itself, one left-padded batch of all 256 sequences (the worker records the size and time of
+  every call), and scores in the same process: training waits for generation and generation for training.
+  trustbatch generates in a separate rollout-server process while the trainer trains (max_lag 1), so its
+  samples are up to one policy version old, and scores them in a reward-worker process.
+- Cores: with one torch thread per process (trustbatch's default), trustbatch's trainer and rollout server
+  use both cores, TRL's single process one. `--trl-threads 2` gives TRL both.
+- Objective: trustbatch optimises the ESS objective on slightly stale samples; TRL's clipped surrogate sees
+  a ratio of exactly 1 (old_per_token_logps = per_token_logps.detach() when steps_per_generation=1 and
+  num_iterations=1, without vLLM), so it takes the plain on-policy policy gradient with GRPO advantages.
+- Uninformative groups: trustbatch drops groups whose 8 rewards are equal (advantage.drop_zero_variance_groups)
+  and normalises by the tokens of the rest; TRL keeps them with advantage 0: it still runs their forward and
+  backward passes (about half of each batch here) and counts their tokens in the DAPO denominator, so its
+  gradient is smaller by that share before clipping (clipping to norm 1.0 then bounds both updates).
+- Extra work in TRL's step: the loss forward also computes per-token entropies (for logging).
+- Prompt order: TRL's RepeatSampler shuffles the dataset with the seed; trustbatch's PromptSampler draws
+  seeded epochs: the same prompts in different orders, and different sampling random streams.
+
+The 2-core machines are noisy and shared with whatever else runs: read ratios, not absolutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import mean, stdev
+from typing import TYPE_CHECKING, Any
+
+# The repo root first: bench/ (this script's folder, first on sys.path) has a rewards.py that would shadow the
+# `rewards` package that app.config imports.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.training_runs import REPO, machine, train  # noqa: E402
+
+if TYPE_CHECKING:
+    from app.config import Config
+
+CONFIG = REPO / "configs" / "quickstart.yaml"
+TRL_ENV_BUILD = REPO / "bench" / "trl_env" / "build.sh"
+TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
+TRL_WORKER = REPO / "bench" / "trl_worker.py"
+EVAL_SEED = 0
+"""Sampling seed of every evaluation: all models are sampled with the same random streams."""
+
+
+def child_env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_logged(command: list[str], log: Path) -> None:
+    """Run a child process with its output in `log`; a failure raises with the end of the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        code = subprocess.call(command, cwd=REPO, env=child_env(), stdout=out, stderr=subprocess.STDOUT)
+    if code != 0:
+        raise RuntimeError(
+            f"{' '.join(command)} exited with {code}; end of {log}:\n{log.read_text()[-3000:]}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- setup
+
+
+def quickstart_config() -> Config:
+    from app.config import load_config
+
+    cfg = load_config(CONFIG, [])
+    # What the TRL worker reproduces; a config that changed any of these would no longer be compared like for like.
+    checks = {
+        "optim.schedule == constant": cfg.optim.schedule == "constant",
+        "optim.warmup_steps == 0": cfg.optim.warmup_steps == 0,
+        "optim.weight_decay == 0": cfg.optim.weight_decay == 0,
+        "AdamW betas (0.9, 0.999), eps 1e-8": (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps)
+        == (0.9, 0.999, 1e-8),
+        "objective.ref_kl_coef == 0": cfg.objective.ref_kl_coef == 0,
+        "one verifier, math": [v.name for v in cfg.rewards.verifiers] == ["math"],
+        "plain prompts (builtin:arithmetic)": cfg.data.train == "builtin:arithmetic",
+    }
+    broken = [name for name, ok in checks.items() if not ok]
+    if broken:
+        raise SystemExit(f"{CONFIG} no longer matches what bench/trl_worker.py reproduces: {broken}")
+    return cfg
+
+
+def ensure_trl_env() -> None:
+    """Build (or check) .venv-trl; the script is idempotent and prints one line when up to date."""
+    code = subprocess.call(["bash", str(TRL_ENV_BUILD)], cwd=REPO, env=child_env())
+    if code != 0:
+        raise SystemExit(f"bash {TRL_ENV_BUILD.relative_to(REPO)} failed (exit {code}); see its output above")
+
+
+def ensure_model(cfg: Config, log: Path) -> Path:
+    """The quickstart's warm-started model, bootstrapped as `trustbatch train` would if it is missing."""
+    path = REPO / cfg.model.path
+    if not (path / "config.json").is_file():
+        print(f"bootstrapping the warm-started tiny model at {path} ...", flush=True)
+        run_logged([sys.executable, "-m", "app.cli", "bootstrap", str(CONFIG)], log)
+    return path
+
+
+def write_train_prompts(cfg: Config, path: Path) -> int:
+    """The rows `trustbatch train` trains on (builtin:arithmetic, train split), as JSONL for the TRL worker."""
+    from app.data import load_split
+
+    rows = load_split(cfg.data, "train")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as out:
+        for row in rows:
+            out.write(json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n")
+    return len(rows)
+
+
+def fresh_dir(path: Path) -> Path:
+    """An empty directory: a leftover run directory would make `trustbatch train` resume it."""
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def train_trustbatch(seed: int, seconds: float, eval_prompts: int, root: Path) -> dict[str, Any]:
+    run_dir = fresh_dir(root / f"trustbatch-seed{seed}")
+    result = train(
+        CONFIG,
+        run_dir,
+        [
+            f"run.time_limit_s={seconds}",
+            "run.steps=100000",  # the time limit decides
+            f"run.seed={seed}",
+            "eval.every=0",  # held-out evaluation before the first step and after the last only
+            "checkpoint.every=0",  # the final checkpoint only: it holds the model evaluated below
+            f"eval.num_prompts={eval_prompts}",
+            "tracking.log_model=false",
+        ],
+        log=root / f"trustbatch-seed{seed}.log",
+    )
+    s = result["summary"]
+    model = Path(s["checkpoint_dir"])
+    return {
+        "steps": s["steps"],
+        "completions": s["train_samples"],
+        "train_s": s["train_wall_s"],
+        "completions_per_s": s["samples_per_s"],
+        "mean_policy_lag": s["mean_policy_lag"],
+        "in_run_eval": {
+            "start": s["initial_accuracy"],
+            "end": s["final_accuracy"],
+            "gain": s["accuracy_gain"],
+        },
+        "model_dir": str(model if model.is_absolute() else REPO / model),
+    }
+
+
+def train_trl(
+    cfg: Config, seed: int, seconds: float, threads: int, prompts: Path, model: Path, root: Path
+) -> dict:
+    out = fresh_dir(root / f"trl-seed{seed}")
+    start_model = out / "start-model"
+    shutil.copytree(model, start_model)  # a fresh copy: nothing TRL does can touch the shared model
+    math_params = cfg.rewards.verifiers[0].params
+    command = [
+        str(TRL_PYTHON), str(TRL_WORKER),
+        "--model", str(start_model), "--prompts", str(prompts), "--out", str(out),
+        "--seconds", str(seconds), "--seed", str(seed), "--threads", str(threads),
+        "--prompts-per-step", str(cfg.rollout.prompts_per_step), "--group-size", str(cfg.rollout.group_size),
+        "--lr", str(cfg.optim.lr), "--max-grad-norm", str(cfg.trainer.max_grad_norm),
+        "--temperature", str(cfg.rollout.temperature), "--top-p", str(cfg.rollout.top_p),
+        "--max-new-tokens", str(cfg.rollout.max_new_tokens),
+        "--scale-by-std" if cfg.advantage.scale_by_std else "--no-scale-by-std",
+        "--verifier-params", json.dumps(dict(math_params)), "--error-reward", str(cfg.rewards.error_reward),
+    ]  # fmt: skip
+    run_logged(command, out / "worker.log")
+    return json.loads((out / "result.json").read_text())
+
+
+# ---------------------------------------------------------------------------------------------- evaluation
+
+
+def evaluate(model_dir: Path, cfg: Config, eval_prompts: int, samples: int, out: Path) -> dict[str, Any]:
+    """`trustbatch eval` of one model; its per-prompt accuracies (for paired gains) and pass@1 ± SE."""
+    command = [
+        sys.executable, "-m", "app.cli", "eval", str(model_dir),
+        "--config", str(CONFIG), "--data", cfg.data.eval,
+        "--num-prompts", str(eval_prompts), "--samples", str(samples), "--k", "1",
+        "--temperature", str(cfg.rollout.temperature), "--max-new-tokens", str(cfg.rollout.max_new_tokens),
+        "--seed", str(EVAL_SEED), "--threads", "1", "--no-track", "--out", str(out),
+    ]  # fmt: skip
+    run_logged(command, out.with_suffix(".log"))
+    report = json.loads(out.read_text())
+    return {
+        "ids": [p["id"] for p in report["prompts"]],
+        "per_prompt": [p["correct"] / p["samples"] for p in report["prompts"]],
+        "pass@1": report["metrics"]["pass@1"]["value"],
+        "pass@1_se": report["metrics"]["pass@1"]["stderr"],
+    }
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample std / sqrt(n)); SE is nan for fewer than two values."""
+    if not values:
+        return float("nan"), float("nan")
+    return mean(values), (stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+
+
+def paired_diff(before: dict, after: dict) -> tuple[float, float]:
+    """Mean per-prompt difference after − before ± its SE (prompts are the unit: their samples correlate)."""
+    if before["ids"] != after["ids"]:
+        raise RuntimeError("the two evaluations did not score the same prompts in the same order")
+    return mean_se([a - b for a, b in zip(after["per_prompt"], before["per_prompt"], strict=True)])
+
+
+# ---------------------------------------------------------------------------------------------- report
+
+
+def pts(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:+.2f}"
+
+
+def se_pts(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{100 * x:.2f}"
+
+
+def summarize(runs: list[dict]) -> dict[str, Any]:
+    systems = {}
+    for system in ("trustbatch", "trl"):
+        mine = [r for r in runs if r["system"] == system]
+        gain, gain_se = mean_se([r["gain"] for r in mine])
+        rate, rate_se = mean_se([r["completions_per_s"] for r in mine])
+        systems[system] = {
+            "gain": gain,
+            "gain_se_across_seeds": gain_se,
+            "completions_per_s": rate,
+            "completions_per_s_se": rate_se,
+            "steps": mean([r["steps"] for r in mine]),
+            "final_pass@1": mean([r["end"] for r in mine]),
+        }
+    by_seed = {(r["system"], r["seed"]): r for r in runs}
+    seeds = sorted({r["seed"] for r in runs})
+    diff, diff_se = mean_se([by_seed["trustbatch", s]["gain"] - by_seed["trl", s]["gain"] for s in seeds])
+    ratio = systems["trustbatch"]["completions_per_s"] / systems["trl"]["completions_per_s"]
+    return {
+        "systems": systems,
+        "completions_per_s_ratio": ratio,
+        "gain_difference": diff,
+        "gain_difference_se_across_seeds": diff_se,
+    }
+
+
+def print_report(start: dict, runs: list[dict], summary: dict, eval_prompts: int, samples: int) -> None:
+    print(
+        f"\nheld-out sampled pass@1 ({eval_prompts} prompts x {samples} samples; start {100 * start['pass@1']:.2f}% "
+        f"± {100 * start['pass@1_se']:.2f}); gains in points, SE paired by prompt"
+    )
+    header = (
+        f"{'system':<11}{'seed':>5}{'steps':>7}{'compl/s':>9}  {'pass@1 start → end':<20}{'gain ± SE':>15}"
+    )
+    print(header + "\n" + "-" * len(header))
+    for r in runs:
+        change = f"{100 * r['start']:.2f}% → {100 * r['end']:.2f}%"
+        gain = f"{pts(r['gain'])} ± {se_pts(r['gain_se'])}"
+        print(
+            f"{r['system']:<11}{r['seed']:>5}{r['steps']:>7}{r['completions_per_s']:>9.0f}  {change:<20}{gain:>15}"
+        )
+    print("\nmean over seeds ± across-seed SE:")
+    for system, s in summary["systems"].items():
+        print(
+            f"  {system:<11} gain {pts(s['gain'])} ± {se_pts(s['gain_se_across_seeds'])}, "
+            f"{s['completions_per_s']:.0f} completions/s, {s['steps']:.0f} steps"
+        )
+    print(f"  completions/s trustbatch / TRL: {summary['completions_per_s_ratio']:.2f}")
+    print(
+        f"  gain trustbatch − TRL (paired by seed): {pts(summary['gain_difference'])} ± "
+        f"{se_pts(summary['gain_difference_se_across_seeds'])}"
+    )
+    for pair in summary["by_seed"]:
+        print(
+            f"    seed {pair['seed']}: {pts(pair['gain_difference'])} ± {se_pts(pair['se_by_prompt'])} "
+            "(SE paired by prompt)"
+        )
+    for r in runs:
+        if r["system"] == "trl":
+            d = r["details"]
+            print(
+                f"  TRL seed {r['seed']}: {d['completions_per_step']:.0f} completions per optimizer step, "
+                f"generate calls of {d['sequences_per_generate_call']} sequences; of its training time "
+                f"{d['generate_s'] / d['train_s']:.0%} in generate, {d['reward_s'] / d['train_s']:.0%} in rewards"
+            )
+
+
+# ---------------------------------------------------------------------------------------------- main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seconds", type=float, help="training wall time per run (default 300; --quick 60)")
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", help="run.seed / TRL seed of each pair (default 0 1 2)"
+    )
+    parser.add_argument("--eval-prompts", type=int, help="held-out prompts (default 1500; --quick 300)")
+    parser.add_argument(
+        "--eval-samples", type=int, help="samples per held-out prompt (default: eval.samples_per_prompt)"
+    )
+    parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: 60 s, seed 0, 300 eval prompts")
+    parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    args = parser.parse_args()
+    args.seconds = args.seconds or (60.0 if args.quick else 300.0)
+    args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
+    args.eval_prompts = args.eval_prompts or (300 if args.quick else 1500)
+    return args
+
+
+@dataclass
+class Shared:
+    """What every seed's pair of runs shares."""
+
+    root: Path
+    """Run directories, logs and evaluation results."""
+    model: Path
+    """The warm-started starting model."""
+    prompts: Path
+    """The training prompts as JSONL, for the TRL worker."""
+    samples: int
+    """Samples per held-out prompt."""
+    start: dict[str, Any]
+    """The starting model's evaluation."""
+
+
+def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -> tuple[list[dict], dict]:
+    """Train both systems for one seed, one after the other, and evaluate both final models.
+
+    Returns a row per system and the seed's gain difference trustbatch − TRL, paired by prompt (the two final
+    models were sampled on the same prompts with the same seed)."""
+    root, start = shared.root, shared.start
+    print(f"seed {seed}: trustbatch, {args.seconds:g} s of training ...", flush=True)
+    results = {"trustbatch": train_trustbatch(seed, args.seconds, args.eval_prompts, root)}
+    print(f"seed {seed}: TRL GRPOTrainer, {args.seconds:g} s of training ...", flush=True)
+    results["trl"] = train_trl(cfg, seed, args.seconds, args.trl_threads, shared.prompts, shared.model, root)
+    rows, ends = [], {}
+    for system, result in results.items():
+        print(f"seed {seed}: evaluating the {system} model ...", flush=True)
+        out = root / f"eval-{system}-seed{seed}.json"
+        end = ends[system] = evaluate(Path(result["model_dir"]), cfg, args.eval_prompts, shared.samples, out)
+        gain, gain_se = paired_diff(start, end)
+        rows.append({
+            "system": system, "seed": seed, "steps": result["steps"], "completions": result["completions"],
+            "train_s": result["train_s"], "completions_per_s": result["completions_per_s"],
+            "start": start["pass@1"], "end": end["pass@1"], "end_se": end["pass@1_se"],
+            "gain": gain, "gain_se": gain_se, "details": result,
+        })  # fmt: skip
+    difference, difference_se = paired_diff(ends["trl"], ends["trustbatch"])
+    return rows, {"seed": seed, "gain_difference": difference, "se_by_prompt": difference_se}
+
+
+def main() -> int:
+    args = parse_args()
+    cfg = quickstart_config()
+    root = args.out.resolve() / "vs_trl"
+    ensure_trl_env()
+    samples = args.eval_samples or cfg.eval.samples_per_prompt
+    model = ensure_model(cfg, root / "bootstrap.log")
+    prompts = root / "train_prompts.jsonl"
+    print(f"{write_train_prompts(cfg, prompts)} training prompts written to {prompts}", flush=True)
+    print("evaluating the starting model ...", flush=True)
+    start = evaluate(model, cfg, args.eval_prompts, samples, root / "eval-start.json")
+    shared = Shared(root=root, model=model, prompts=prompts, samples=samples, start=start)
+    runs, pairs = [], []
+    for seed in args.seeds:
+        rows, pair = run_seed(seed, args, cfg, shared)
+        runs += rows
+        pairs.append(pair)
+
+    summary = {**summarize(runs), "by_seed": pairs}
+    print_report(start, runs, summary, args.eval_prompts, samples)
+    report = {
+        "machine": machine(),
+        "settings": {
+            "seconds": args.seconds,
+            "seeds": args.seeds,
+            "eval_prompts": args.eval_prompts,
+            "eval_samples": samples,
+            "eval_seed": EVAL_SEED,
+            "trl_threads": args.trl_threads,
+            "config": str(CONFIG.relative_to(REPO)),
+        },
+        "start": {"pass@1": start["pass@1"], "pass@1_se": start["pass@1_se"]},
+        "runs": runs,
+        "summary": summary,
+    }
+    out = args.out / "vs_trl.json"
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
