@@ -13,8 +13,16 @@ bound; then per k the difference ess − each baseline, paired by seed (same see
 and evaluation set). Curves and gains as a PNG; JSON beside it. A run already in the JSON (same settings)
 is not run again, so an interrupted sweep resumes.
 
+Power: with `--target-se P` (default 0.5 points), after the grid every cell whose across-seed SE of the gain
+is above P gets one more seed (the next unused number), one run at a time, until it meets P or holds
+`--max-seeds` seeds (default 8). Cells can therefore hold different numbers of seeds; each is reported with
+its count, and a paired difference uses the seeds both cells share. The rule looks only at the spread, never
+at the mean, so it cannot steer a gain toward a conclusion; an SE estimated from few seeds is itself noisy,
+which is why the grid's 3 seeds are the floor. `--target-se 0` turns it off.
+
     .venv/bin/python bench/lag_sweep.py [--lags 0 1 2 4 8 16] [--objectives ess ppo_clip reinforce]
-        [--seeds 0 1 2] [--steps 150] [--lr 5e-5] [--out bench/results] [--quick] [key=value ...]
+        [--seeds 0 1 2] [--target-se 0.5] [--max-seeds 8] [--steps 150] [--lr 5e-5] [--out bench/results]
+        [--quick] [key=value ...]
 
 About 1.2 minutes a run on 2 cores (150 steps, 3 evaluations of 500 prompts): the default grid (54 runs)
 takes about 65 minutes. `--quick` (k 0 and 8, ess and ppo_clip, 2 seeds, 60 steps) about 6 minutes.
@@ -37,6 +45,9 @@ def main() -> int:
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 1, 2, 4, 8, 16])
     parser.add_argument("--objectives", nargs="+", default=["ess", "ppo_clip", "reinforce"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--target-se", type=float, default=0.5,
+                        help="add seeds to a cell until its across-seed SE of the gain is at most this (points)")
+    parser.add_argument("--max-seeds", type=int, default=8, help="the most seeds --target-se gives one cell")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--lr", type=float, default=5e-5)
     parser.add_argument("--eval-every", type=int, default=75)
@@ -47,6 +58,7 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.lags, args.objectives, args.seeds, args.steps, args.eval_every = [0, 8], ["ess", "ppo_clip"], [0, 1], 60, 60
+        args.target_se = 0.0
         args.out = args.out / "quick" if args.out == REPO / "bench" / "results" else args.out
     config = REPO / "configs" / "quickstart.yaml"
     results_path = args.out / "lag_sweep.json"
@@ -60,46 +72,18 @@ def main() -> int:
                 if "clipped_fraction" not in r and metrics.is_file():
                     steps = [json.loads(line) for line in metrics.read_text().splitlines() if line]
                     r["clipped_fraction"] = _clipped_fraction(steps)
-    total = len(args.objectives) * len(args.lags) * len(args.seeds)
-    for objective in args.objectives:
-        for lag in args.lags:
-            for seed in args.seeds:
-                key = (objective, lag, seed)
-                if key in done:
-                    continue
-                print(f"[{len(done) + 1}/{total}] objective={objective} max_lag={lag} seed={seed}", flush=True)
-                result = train(
-                    config,
-                    args.out / "lag_sweep" / f"{objective}-lag{lag}-seed{seed}",
-                    [
-                        f"objective.name={objective}",
-                        f"rollout.max_lag={lag}",
-                        "rollout.exact_lag=true",
-                        f"run.seed={seed}",
-                        f"run.steps={args.steps}",
-                        f"optim.lr={args.lr}",
-                        f"eval.every={args.eval_every}",
-                        f"checkpoint.every={args.eval_every}",
-                        f"eval.num_prompts={args.eval_prompts}",
-                        "eval.greedy=false",
-                        "tracking.log_model=false",
-                        *args.overrides,
-                    ],
-                )
-                s = result["summary"]
-                done[key] = {
-                    "objective": objective, "lag": lag, "seed": seed,
-                    "final_accuracy": s["final_accuracy"], "initial_accuracy": s["initial_accuracy"],
-                    "accuracy_gain": s["accuracy_gain"], "accuracy_gain_se": s["accuracy_gain_se"],
-                    "mean_policy_lag": s["mean_policy_lag"], "samples_per_s": s["samples_per_s"],
-                    "mean_ess": _mean(result["steps"], "loss/ess"),
-                    "mean_clipfrac": _mean(result["steps"], "loss/clipfrac"),
-                    "max_grad_norm": max(r["train/grad_norm"] for r in result["steps"]),
-                    "clipped_fraction": _clipped_fraction(result["steps"]),
-                    "skipped_steps": s["skipped_steps"],
-                    "curve": [(e["step"], e["eval/accuracy"]) for e in result["evals"]],
-                }
-                save(results_path, args, done)
+    grid = [(objective, lag, seed) for objective in args.objectives for lag in args.lags for seed in args.seeds]
+    for i, key in enumerate(grid):
+        if key not in done:
+            print(f"[{i + 1}/{len(grid)}] objective={key[0]} max_lag={key[1]} seed={key[2]}", flush=True)
+            done[key] = run(config, args, *key)
+            save(results_path, args, done)
+    while args.target_se > 0 and (cell := _least_powered(done, args)) is not None:
+        seed = max(s for (o, k, s) in done if (o, k) == cell) + 1
+        print(f"[power] objective={cell[0]} max_lag={cell[1]}: across-seed SE {100 * _cell_se(done, cell):.2f} "
+              f"> {args.target_se} points with {len(_cell_runs(done, cell))} seeds; adding seed {seed}", flush=True)
+        done[(*cell, seed)] = run(config, args, *cell, seed)
+        save(results_path, args, done)
     table = summarise(done, args)
     pairs = [row for baseline in args.objectives if baseline != "ess" for row in paired(done, args, baseline)]
     print_table(table, args, pairs)
@@ -107,6 +91,58 @@ def main() -> int:
     plot(done, table, args, args.out / "lag_sweep.png")
     print(f"wrote {results_path} and {args.out / 'lag_sweep.png'}")
     return 0
+
+
+def run(config: Path, args, objective: str, lag: int, seed: int) -> dict:
+    """One training run of the sweep, as the record kept in the JSON."""
+    result = train(
+        config,
+        args.out / "lag_sweep" / f"{objective}-lag{lag}-seed{seed}",
+        [
+            f"objective.name={objective}",
+            f"rollout.max_lag={lag}",
+            "rollout.exact_lag=true",
+            f"run.seed={seed}",
+            f"run.steps={args.steps}",
+            f"optim.lr={args.lr}",
+            f"eval.every={args.eval_every}",
+            f"checkpoint.every={args.eval_every}",
+            f"eval.num_prompts={args.eval_prompts}",
+            "eval.greedy=false",
+            "tracking.log_model=false",
+            *args.overrides,
+        ],
+    )
+    s = result["summary"]
+    return {
+        "objective": objective, "lag": lag, "seed": seed,
+        "final_accuracy": s["final_accuracy"], "initial_accuracy": s["initial_accuracy"],
+        "accuracy_gain": s["accuracy_gain"], "accuracy_gain_se": s["accuracy_gain_se"],
+        "mean_policy_lag": s["mean_policy_lag"], "samples_per_s": s["samples_per_s"],
+        "mean_ess": _mean(result["steps"], "loss/ess"),
+        "mean_clipfrac": _mean(result["steps"], "loss/clipfrac"),
+        "max_grad_norm": max(r["train/grad_norm"] for r in result["steps"]),
+        "clipped_fraction": _clipped_fraction(result["steps"]),
+        "skipped_steps": s["skipped_steps"],
+        "curve": [(e["step"], e["eval/accuracy"]) for e in result["evals"]],
+    }
+
+
+def _cell_runs(done: dict, cell: tuple[str, int]) -> list[dict]:
+    """Every run of one (objective, lag) cell, seeds ascending: the grid's seeds and any added for power."""
+    return [r for (o, k, _), r in sorted(done.items()) if (o, k) == cell]
+
+
+def _cell_se(done: dict, cell: tuple[str, int]) -> float:
+    return _mean_se([r["accuracy_gain"] for r in _cell_runs(done, cell)])[1]
+
+
+def _least_powered(done: dict, args) -> tuple[str, int] | None:
+    """The cell furthest above --target-se that may still take a seed, or None when every cell meets it."""
+    cells = [(o, k) for o in args.objectives for k in args.lags]
+    open_cells = [c for c in cells if len(_cell_runs(done, c)) < args.max_seeds
+                  and _cell_se(done, c) > args.target_se / 100]
+    return max(open_cells, key=lambda c: _cell_se(done, c), default=None)
 
 
 def settings(args) -> dict:
@@ -138,7 +174,7 @@ def summarise(done: dict, args) -> list[dict]:
     table = []
     for objective in args.objectives:
         for lag in args.lags:
-            runs = [done[(objective, lag, s)] for s in args.seeds if (objective, lag, s) in done]
+            runs = _cell_runs(done, (objective, lag))
             if not runs:
                 continue
             final, final_se = _mean_se([r["final_accuracy"] for r in runs])
@@ -158,8 +194,9 @@ def paired(done: dict, args, baseline: str) -> list[dict]:
     """Per k: ess − baseline gain, seed by seed (same seed, same warm start and evaluation set), mean ± SE."""
     rows = []
     for lag in args.lags:
-        diffs = [done[("ess", lag, s)]["accuracy_gain"] - done[(baseline, lag, s)]["accuracy_gain"]
-                 for s in args.seeds if ("ess", lag, s) in done and (baseline, lag, s) in done]
+        shared = sorted({s for (o, k, s) in done if (o, k) == ("ess", lag)}
+                        & {s for (o, k, s) in done if (o, k) == (baseline, lag)})
+        diffs = [done[("ess", lag, s)]["accuracy_gain"] - done[(baseline, lag, s)]["accuracy_gain"] for s in shared]
         if diffs:
             mean, se = _mean_se(diffs)
             rows.append({"lag": lag, "baseline": baseline, "seeds": len(diffs), "diff": mean, "diff_se": se})
@@ -168,21 +205,23 @@ def paired(done: dict, args, baseline: str) -> list[dict]:
 
 def print_table(table: list[dict], args, pairs: list[dict]) -> None:
     print(f"\ngain in held-out sampled pass@1 after {args.steps} steps, points: mean over seeds {args.seeds} "
-          "± across-seed SE; final accuracy in brackets")
-    print(f"{'objective':>10} " + " ".join(f"{'k=' + str(k):>22}" for k in args.lags))
+          "(and any added for power: (n) when a cell holds more) ± across-seed SE; final accuracy in brackets")
+    print(f"{'objective':>10} " + " ".join(f"{'k=' + str(k):>26}" for k in args.lags))
     for objective in args.objectives:
         cells = []
         for lag in args.lags:
             row = next((r for r in table if r["objective"] == objective and r["lag"] == lag), None)
-            cells.append("-" if row is None else
-                         f"{100 * row['gain']:+5.2f} ± {100 * row['gain_seed_se']:.2f} [{100 * row['final_accuracy']:5.2f}]")
-        print(f"{objective:>10} " + " ".join(f"{c:>22}" for c in cells))
+            n = "" if row is None or row["seeds"] == len(args.seeds) else f" ({row['seeds']})"
+            cells.append("-" if row is None else f"{100 * row['gain']:+5.2f} ± {100 * row['gain_seed_se']:.2f}"
+                         f" [{100 * row['final_accuracy']:5.2f}]{n}")
+        print(f"{objective:>10} " + " ".join(f"{c:>26}" for c in cells))
     for pair in {p["baseline"] for p in pairs}:
-        cells = {p["lag"]: f"{100 * p['diff']:+5.2f} ± {100 * p['diff_se']:.2f}" for p in pairs if p["baseline"] == pair}
-        print(f"{'ess-' + pair:>10} " + " ".join(f"{cells.get(k, '-'):>22}" for k in args.lags))
+        cells = {p["lag"]: f"{100 * p['diff']:+5.2f} ± {100 * p['diff_se']:.2f} ({p['seeds']})"
+                 for p in pairs if p["baseline"] == pair}
+        print(f"{'ess-' + pair:>10} " + " ".join(f"{cells.get(k, '-'):>26}" for k in args.lags))
     for key, label in (("mean_ess", "mean ESS"), ("clipped_fraction", "clip binds"), ("max_grad_norm", "max |g|")):
         print(f"{label + ' (ess)':>10} " + " ".join(
-            f"{next((r[key] for r in table if r['objective'] == 'ess' and r['lag'] == k), float('nan')):>22.3f}"
+            f"{next((r[key] for r in table if r['objective'] == 'ess' and r['lag'] == k), float('nan')):>26.3f}"
             for k in args.lags))
 
 
@@ -203,7 +242,7 @@ def plot(done: dict, table: list[dict], args, path: Path) -> None:
     colors = plt.cm.viridis([i / max(1, len(args.lags) - 1) for i in range(len(args.lags))])
     for ax, objective in zip(axes, args.objectives, strict=False):
         for color, lag in zip(colors, args.lags, strict=True):
-            curves = [done[(objective, lag, s)]["curve"] for s in args.seeds if (objective, lag, s) in done]
+            curves = [r["curve"] for r in _cell_runs(done, (objective, lag))]
             steps = [step for step, _ in curves[0]]
             mean = [100 * sum(c[i][1] for c in curves) / len(curves) for i in range(len(steps))]
             ax.plot(steps, mean, marker="o", color=color, label=f"lag {lag}")
