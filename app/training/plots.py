@@ -33,14 +33,17 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
         axes[1].plot(eval_steps, [100 * e["eval/greedy_accuracy"] for e in evals], marker="s", label="greedy")
     axes[1].set_title("held-out accuracy (%)")
     axes[1].set_xlabel("step")
-    axes[1].legend(loc="upper left")
+    handles, labels = axes[1].get_legend_handles_labels()
     if evals and all("eval/answer_rate" in e for e in evals):
         # Its own axis: near 100% (the tiny model) it would squash the accuracy curves into the bottom.
         right = axes[1].twinx()
         right.plot(eval_steps, [100 * e["eval/answer_rate"] for e in evals], marker="^", ls="--", color="tab:green",
                    label="answer found (format, sampled; right axis)")  # fmt: skip
         right.set_ylabel("answer found (%)")
-        right.legend(loc="lower right")
+        more_handles, more_labels = right.get_legend_handles_labels()
+        handles, labels = handles + more_handles, labels + more_labels
+    # One legend below the axes: inside, wherever it went, some run's curve ran under it.
+    axes[1].legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.14), fontsize=8, frameon=False)
 
     ess = [h["loss/ess"] for h in history]
     axes[2].plot(steps, ess, lw=1, label="ESS")
@@ -54,5 +57,5 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
 
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # keeps the legend below the axes
     plt.close(fig)
