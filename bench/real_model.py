@@ -204,7 +204,8 @@ def _trainer_child(
     loss_tokens = int(batch.loss_mask.sum())
 
     optimizer, _ = build_optimizer(model, OptimConfig(lr=1e-7, schedule="constant"), total_steps=1000)
-    cfg, objective, reducer = TrainerConfig(micro_batch_size=micro), ObjectiveConfig(name="ess"), LocalReducer()
+    cfg = TrainerConfig(micro_batch_size=micro, share_prompts=which == "shared")
+    objective, reducer = ObjectiveConfig(name="ess"), LocalReducer()
 
     def trustbatch_step() -> None:
         train_step(model, optimizer, batch, objective, reducer, cfg)
@@ -225,7 +226,7 @@ def _trainer_child(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step = {"bare": bare_step, "trustbatch": trustbatch_step}[which]
+    step = {"bare": bare_step, "trustbatch": trustbatch_step, "shared": trustbatch_step}[which]
     step()  # warm-up (and AdamW's state)
     times = []
     for _ in range(repeats):
@@ -240,11 +241,17 @@ def _trainer_child(
                "peak_rss_mib": round(peak / MIB)})  # fmt: skip
 
 
-def measure_trainer(model_dir: Path, completions, pad_id: int, micro: int, repeats: int) -> dict:
-    """Both loops, each in its own spawned process, one after the other."""
+def measure_trainer(
+    model_dir: Path, completions, pad_id: int, micro: int, repeats: int, *, share_prompts: bool = False
+) -> dict:
+    """Both loops (and `train_step` with trainer.share_prompts if asked), each in its own spawned process, one
+    after the other. tokens/s counts the padded batch's attended tokens for every loop: the same work."""
     ctx = multiprocessing.get_context("spawn")
     loops = {}
-    for which, name in (("bare", "bare PyTorch"), ("trustbatch", "trustbatch train_step")):
+    which_loops = [("bare", "bare PyTorch"), ("trustbatch", "trustbatch train_step")]
+    if share_prompts:
+        which_loops.append(("shared", "train_step, share_prompts"))
+    for which, name in which_loops:
         queue = ctx.Queue()
         child = ctx.Process(target=_trainer_child,
                             args=(which, str(model_dir), completions, pad_id, micro, repeats, queue))  # fmt: skip

@@ -6,7 +6,8 @@ engine at T = 1 (8 new tokens), ±1 advantages. Then, each in its own process (b
 
   - `trainer.step.train_step` (ESS objective, chunked log-softmax with entropy, global-norm clip, AdamW);
   - a bare loop over the same model, batch and micro-batches: forward, masked token cross-entropy, backward,
-    clip, AdamW.
+    clip, AdamW;
+  - `train_step` with `trainer.share_prompts` (each group's prompt run once, its completions packed after it).
 
 Tokens = attended (prompt + completion) tokens. Median of --repeats timed steps after a warm-up. Then
 torch.profiler over --repeats `train_step` calls: the operators with the most self CPU time, and the share of
@@ -108,14 +109,16 @@ def main() -> int:
 
     torch.set_num_threads(1)
     completions, pad_id = sample_batch(model_dir, args.prompts, seed=0)
-    loops = measure_trainer(model_dir, completions, pad_id, args.micro_batch, args.repeats)
+    loops = measure_trainer(model_dir, completions, pad_id, args.micro_batch, args.repeats, share_prompts=True)
     bare, ours = loops["loops"]["bare PyTorch"], loops["loops"]["trustbatch train_step"]
     print(f"batch: {loops['batch']}")
-    print(f"{'loop':<24}{'s/step':>9}{'tokens/s':>11}")
+    print(f"{'loop':<27}{'s/step':>9}{'tokens/s':>11}")
     for name, loop in loops["loops"].items():
-        print(f"{name:<24}{loop['seconds']:>9.4f}{loop['tokens_per_s']:>11.0f}")
+        print(f"{name:<27}{loop['seconds']:>9.4f}{loop['tokens_per_s']:>11.0f}")
     ratio = ours["tokens_per_s"] / bare["tokens_per_s"]
-    print(f"train_step / bare: {ratio:.2f}x")
+    shared = loops["loops"]["train_step, share_prompts"]
+    print(f"train_step / bare: {ratio:.2f}x; with trainer.share_prompts: "
+          f"{shared['tokens_per_s'] / bare['tokens_per_s']:.2f}x")
 
     profile = profile_train_step(model_dir, completions, pad_id, args.micro_batch, args.repeats)
     print(f"\ntrain_step under torch.profiler: {1e3 * profile['wall_s_per_step']:.1f} ms a step, "

@@ -24,11 +24,15 @@ softmax (plus one for the entropy) per sequence.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 DEFAULT_CHUNK_SIZE = 1024
+MAX_SHARED_MASK_ENTRIES = 1 << 26
+"""Largest [G, L', L'] block mask `shared_prefix_token_logprobs` builds (64M entries: 256 MB as float32)."""
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -105,3 +109,144 @@ def token_logprobs(
         entropy = torch.cat([zeros, *entropy_chunks], dim=1)
         entropy = torch.where(attended, entropy, torch.zeros_like(entropy))
     return logprobs, entropy
+
+
+# --- Shared prompts: one forward per group instead of one per sequence --------------------------------------
+#
+# The n completions of a group share their prompt token for token, and a causal model computes identical
+# hidden states for identical prefixes. So a group can run as one packed sequence: the prompt once, then each
+# completion after it, each attending to the prompt and causally to itself only (a block mask), with the
+# positions it would have had in its own row. Every completion token then sees exactly the context it sees in
+# the padded batch, so the logprobs are the same (up to float summation order) while the prompt's n - 1
+# copies are never computed. On the quickstart (6-token prompts, 3-token completions, n = 8) this cuts the
+# tokens of a forward and backward by about 2.5x.
+
+
+@dataclass(frozen=True)
+class SharedPrefixPlan:
+    """How the rows of a right-padded [B, L] batch pack into G sequences of L' tokens, one per shared prefix.
+
+    A row's prefix is everything before its first `loss_mask` token (the prompt); its suffix is every attended
+    token from there on. Rows whose prefixes are equal token for token share one packed sequence. Rows with no
+    `loss_mask` token (a padding micro-batch) are left out: nothing in them is trained.
+    """
+
+    input_ids: Tensor  # [G, L'] packed tokens (pad 0 past each group's end)
+    position_ids: Tensor  # [G, L'] each token's position in its own row
+    allowed: Tensor  # [G, L', L'] bool: query i may attend key j
+    row: Tensor  # [N] for every suffix token: its row in the batch,
+    col: Tensor  # [N] its column there,
+    group: Tensor  # [N] its packed sequence,
+    packed_col: Tensor  # [N] its column in that sequence,
+    predictor: Tensor  # [N] and the packed column whose logits predict it.
+
+
+def shared_prefix_plan(input_ids: Tensor, attention_mask: Tensor, loss_mask: Tensor) -> SharedPrefixPlan:
+    """The packing of a right-padded batch by shared prompt (see `SharedPrefixPlan`). Pure bookkeeping, CPU."""
+    ids, attended, trained = input_ids.cpu(), attention_mask.cpu().bool(), loss_mask.cpu().bool()
+    if (attended.long().cummin(1).values != attended.long()).any():
+        raise ValueError("shared prompts need right-padded rows (attention_mask 1...1 0...0 in every row)")
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b in range(ids.shape[0]):
+        if trained[b].any():
+            start = int(trained[b].nonzero()[0])
+            groups.setdefault(tuple(ids[b, :start].tolist()), []).append(b)
+    lengths = attended.sum(1).tolist()
+    sizes = [len(p) + sum(lengths[b] - len(p) for b in rows) for p, rows in groups.items()]
+    width = max(sizes, default=1)
+    packed = torch.zeros((len(groups), width), dtype=torch.long)
+    positions = torch.zeros((len(groups), width), dtype=torch.long)
+    allowed = torch.eye(width, dtype=torch.bool).repeat(len(groups), 1, 1)  # padding attends to itself
+    row, col, group, packed_col, predictor = [], [], [], [], []
+    for g, (prefix, rows) in enumerate(groups.items()):
+        p = len(prefix)
+        packed[g, :p] = torch.tensor(prefix, dtype=torch.long)
+        positions[g, :p] = torch.arange(p)
+        allowed[g, :p, :p] = torch.ones(p, p, dtype=torch.bool).tril()
+        q = p
+        for b in rows:
+            r = lengths[b] - p
+            packed[g, q : q + r] = ids[b, p : p + r]
+            positions[g, q : q + r] = torch.arange(p, p + r)
+            allowed[g, q : q + r, :p] = True
+            allowed[g, q : q + r, q : q + r] = torch.ones(r, r, dtype=torch.bool).tril()
+            row += [b] * r
+            col += range(p, p + r)
+            group += [g] * r
+            packed_col += range(q, q + r)
+            predictor += [p - 1, *range(q, q + r - 1)]  # the prompt's last token predicts the first one
+            q += r
+    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    return SharedPrefixPlan(packed, positions, allowed, as_long(row), as_long(col), as_long(group),
+                            as_long(packed_col), as_long(predictor))  # fmt: skip
+
+
+def shared_prefix_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    loss_mask: Tensor,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor | None]:
+    """`token_logprobs` with each group's shared prompt computed once (module comment above).
+
+    Same [B, L] outputs on every suffix token (from a row's first `loss_mask` token to its last attended one);
+    0 on the prompt and on padding, which the objective never reads. Needs right-padded rows and a model whose
+    attention takes a 4D mask (HF `sdpa` or `eager`; not `flash_attention_*`).
+    """
+    if input_ids.dim() != 2 or not input_ids.shape == attention_mask.shape == loss_mask.shape:
+        raise ValueError(
+            f"input_ids, attention_mask and loss_mask must all be [B, L]; got {tuple(input_ids.shape)}, "
+            f"{tuple(attention_mask.shape)} and {tuple(loss_mask.shape)}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the sampling temperature); got {temperature}")
+    attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if attn is not None and attn not in ("sdpa", "eager"):
+        raise ValueError(
+            f"trainer.share_prompts needs an attention that takes a 4D mask (sdpa or eager); this model uses "
+            f"{attn!r}: set trainer.share_prompts=false"
+        )
+    if not loss_mask.any():
+        # Nothing to pack (a padding micro-batch), but under FSDP2 every rank must still run the forward.
+        return token_logprobs(model, input_ids, attention_mask, temperature=temperature,
+                              with_entropy=with_entropy, chunk_size=chunk_size)  # fmt: skip
+    plan = shared_prefix_plan(input_ids, attention_mask, loss_mask)
+    entries = plan.allowed.numel()
+    if entries > MAX_SHARED_MASK_ENTRIES:
+        raise ValueError(
+            f"trainer.share_prompts would build a {'x'.join(map(str, plan.allowed.shape))} attention mask "
+            f"({entries:,} entries, limit {MAX_SHARED_MASK_ENTRIES:,}): packing a group's completions after "
+            "one prompt pays for short completions; set trainer.share_prompts=false or lower "
+            "trainer.micro_batch_size"
+        )
+    device = input_ids.device
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
+    entropy_out = torch.zeros_like(out) if with_entropy else None
+    dtype = next(model.parameters()).dtype
+    bias = torch.zeros(plan.allowed.shape, dtype=dtype).masked_fill_(~plan.allowed, torch.finfo(dtype).min)
+    logits = model(
+        input_ids=plan.input_ids.to(device),
+        attention_mask=bias[:, None].to(device),
+        position_ids=plan.position_ids.to(device),
+    ).logits  # [G, L', V]
+    group, predictor = plan.group.to(device), plan.predictor.to(device)
+    targets = input_ids[plan.row.to(device), plan.col.to(device)]
+    use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
+    logp_chunks, entropy_chunks = [], []
+    for start in range(0, targets.numel(), chunk_size):
+        end = min(start + chunk_size, targets.numel())
+        chunk = logits[group[start:end], predictor[start:end]][None]  # [1, C, V]
+        args = (chunk, targets[start:end][None], temperature, with_entropy)
+        result = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if use_checkpoint else _chunk_logprobs(*args)
+        logp_chunks.append(result[0] if with_entropy else result)
+        if with_entropy:
+            entropy_chunks.append(result[1])
+    index = (plan.row.to(device), plan.col.to(device))
+    out = out.index_put(index, torch.cat(logp_chunks, dim=1)[0])
+    if with_entropy:
+        entropy_out = entropy_out.index_put(index, torch.cat(entropy_chunks, dim=1)[0])
+    return out, entropy_out

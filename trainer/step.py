@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from trainer.distributed import Reducer, full_value, is_sharded
-from trainer.logprobs import token_logprobs
+from trainer.logprobs import shared_prefix_token_logprobs, token_logprobs
 from trainer.objective import (
     LossPart,
     ObjectiveConfig,
@@ -174,6 +174,11 @@ class TrainerConfig:
     """ESS computed per micro-batch across ranks (`micro_batch`, as FeynRL), once per step (`step`) or per
     sequence over its own tokens (`sequence`, FeynRL's `calculate_seq_ess`). trainer/README.md."""
 
+    share_prompts: bool = False
+    """Run each group's shared prompt once per micro-batch: its completions are packed after it under a block
+    mask, with their own positions (trainer/logprobs.py). Same logprobs, fewer tokens through the model; pays
+    when prompts are long next to the completions. Needs sdpa or eager attention. trainer/README.md."""
+
     grad_diagnostics_every: int = 0
     """Every this many steps, also log the pre-clip gradient norms of the policy term and of the behaviour-KL
     term alone (`train/grad_norm/policy`, `train/grad_norm/behaviour_kl`): two more forward+backward passes on
@@ -193,6 +198,8 @@ class TrainerConfig:
                 f"trainer.grad_diagnostics_every={self.grad_diagnostics_every!r} must be an integer >= 0 "
                 "(0 = never)"
             )
+        if not isinstance(self.share_prompts, bool):
+            raise ValueError(f"trainer.share_prompts={self.share_prompts!r} must be true or false")
         if self.ess_scope not in ESS_SCOPES:
             raise ValueError(f"trainer.ess_scope={self.ess_scope!r} must be one of {list(ESS_SCOPES)}")
 
@@ -275,9 +282,14 @@ def train_step(
     micro_batches = _micro_batches(batch, valid, cfg.micro_batch_size, num_micro, device)
 
     def forward(mb: _MicroBatch) -> tuple[Tensor, Tensor]:
-        logprobs, entropy = token_logprobs(
-            model, mb.input_ids, mb.attention_mask, temperature=batch.temperature, with_entropy=True
-        )
+        if cfg.share_prompts:
+            logprobs, entropy = shared_prefix_token_logprobs(
+                model, mb.input_ids, mb.attention_mask, mb.mask, temperature=batch.temperature, with_entropy=True
+            )
+        else:
+            logprobs, entropy = token_logprobs(
+                model, mb.input_ids, mb.attention_mask, temperature=batch.temperature, with_entropy=True
+            )
         assert entropy is not None
         return logprobs, entropy
 

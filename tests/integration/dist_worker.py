@@ -34,6 +34,8 @@ GLOBAL_ROWS = 7
 # "sgd_gradient": as step_uneven but plain SGD without clipping, so the weight change IS the gradient: this
 #   pins the DP-scaling convention directly (AdamW's normalisation amplifies rounding on tiny gradients).
 # "sequence_diagnosed": as sgd_gradient with per-sequence ESS and the per-term gradient-norm diagnostics.
+# "shared_prompts": as sgd_gradient with trainer.share_prompts on a batch whose rows share prompts in pairs (one
+#   pair split across the ranks): the packed forward with its 4D block mask under FSDP2, padding micro-batches too.
 TEMPERATURE = {"step_uneven": 0.9}
 SCENARIOS: dict[str, tuple[ObjectiveConfig, TrainerConfig, tuple[int, int], str]] = {
     "micro_batch": (ObjectiveConfig(name="ess"), TrainerConfig(micro_batch_size=8), (4, 3), "adamw"),
@@ -55,7 +57,14 @@ SCENARIOS: dict[str, tuple[ObjectiveConfig, TrainerConfig, tuple[int, int], str]
         (5, 2),
         "sgd",
     ),
+    "shared_prompts": (
+        ObjectiveConfig(name="ess"),
+        TrainerConfig(micro_batch_size=2, ess_scope="step", max_grad_norm=0.0, share_prompts=True),
+        (5, 2),
+        "sgd",
+    ),
 }
+SHARED_PROMPTS = {"shared_prompts": 3}  # build_batch(..., shared_prompts=3) for these scenarios
 DIAGNOSE = {"sequence_diagnosed"}  # train_step(..., diagnose=True): the per-term gradient norms as well
 OPTIM = OptimConfig(lr=1e-2, schedule="linear", warmup_steps=1, weight_decay=0.01)
 SGD_LR = 0.1
@@ -68,9 +77,13 @@ def build_model(seed: int = 0) -> Qwen2ForCausalLM:
 
 
 def build_batch(
-    model: torch.nn.Module, seed: int = 0, rows: int = GLOBAL_ROWS, temperature: float = 1.0
+    model: torch.nn.Module, seed: int = 0, rows: int = GLOBAL_ROWS, temperature: float = 1.0,
+    shared_prompts: int = 0,
 ) -> TrainBatch:
     """A right-padded off-policy batch: prompts of 3 tokens, responses of 2-9 tokens.
+
+    `shared_prompts` > 0: rows take their prompt in pairs, cycling through that many prompts (2i and 2i + 1
+    share one), as the completions of a group do; 0 (default): every row its own random prompt.
 
     Behaviour logprobs are the model's own (at `temperature`) plus Gaussian noise, so ratios spread around 1
     and ESS < 1; padded positions hold NaN behaviour logprobs (never read). One response token has a NaN
@@ -78,12 +91,15 @@ def build_batch(
     """
     gen = torch.Generator().manual_seed(seed)
     prompt, length = 3, 12
+    prompts = torch.randint(1, VOCAB, (max(shared_prompts, 1), prompt), generator=torch.Generator().manual_seed(99))
     input_ids = torch.zeros(rows, length, dtype=torch.long)
     attention_mask = torch.zeros(rows, length, dtype=torch.long)
     loss_mask = torch.zeros(rows, length, dtype=torch.bool)
     for i in range(rows):
         n = prompt + int(torch.randint(2, length - prompt + 1, (1,), generator=gen))
         input_ids[i, :n] = torch.randint(1, VOCAB, (n,), generator=gen)
+        if shared_prompts:
+            input_ids[i, :prompt] = prompts[(i // 2) % shared_prompts]
         attention_mask[i, :n] = 1
         loss_mask[i, prompt:n] = True
     with torch.no_grad():
@@ -113,7 +129,9 @@ def run_scenario(name: str, reducer, *, rank: int, world_size: int, shard) -> di
 
     objective, trainer_cfg, split, optimizer_kind = SCENARIOS[name]
     model = build_model(seed=0)
-    batch = build_batch(model, seed=1, temperature=TEMPERATURE.get(name, 1.0))
+    batch = build_batch(
+        model, seed=1, temperature=TEMPERATURE.get(name, 1.0), shared_prompts=SHARED_PROMPTS.get(name, 0)
+    )
     if world_size > 1:
         start = sum(split[:rank])
         batch = rows_of(batch, start, start + split[rank])

@@ -375,3 +375,30 @@ def test_batch_temperature_must_be_positive():
     with pytest.raises(ValueError, match="TrainBatch.temperature"):
         TrainBatch(batch.input_ids, batch.attention_mask, batch.loss_mask, batch.old_logprobs,
                    batch.advantages, temperature=0.0)
+
+
+@pytest.mark.parametrize(
+    "objective, ess_scope, micro_batch_size",
+    [
+        (ObjectiveConfig(name="ess"), "micro_batch", 64),
+        (ObjectiveConfig(name="ess"), "micro_batch", 3),  # pairs split across micro-batches
+        (ObjectiveConfig(name="ess", entropy_coef=0.01), "step", 2),
+        (ObjectiveConfig(name="ess"), "sequence", 4),
+        (ObjectiveConfig(name="ppo_clip"), "micro_batch", 64),
+    ],
+    ids=["ess", "ess-split-groups", "ess-step-entropy", "ess-sequence", "ppo_clip"],
+)
+def test_shared_prompts_give_the_same_step(objective, ess_scope, micro_batch_size):
+    """trainer.share_prompts packs each group's completions after one copy of its prompt: same loss, same gradient."""
+    batch = build_batch(build_model(), rows=9, shared_prompts=3, temperature=0.9)
+    plain_cfg = TrainerConfig(micro_batch_size=micro_batch_size, max_grad_norm=0.0, ess_scope=ess_scope)
+    shared_cfg = TrainerConfig(
+        micro_batch_size=micro_batch_size, max_grad_norm=0.0, ess_scope=ess_scope, share_prompts=True
+    )
+    plain_metrics, plain_grad = _sgd_step(batch, objective, plain_cfg)
+    shared_metrics, shared_grad = _sgd_step(batch, objective, shared_cfg)
+    for key in ("loss/total", "loss/policy", "loss/ess", "loss/entropy", "train/grad_norm", "train/num_tokens",
+                "loss/ratio/max", "loss/clipfrac"):  # fmt: skip
+        assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-7), key
+    for key, grad in plain_grad.items():
+        torch.testing.assert_close(shared_grad[key], grad, atol=1e-6, rtol=1e-4, msg=key)

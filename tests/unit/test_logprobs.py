@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from tests.helpers import random_qwen2
-from trainer.logprobs import token_logprobs
+from trainer import logprobs as logprobs_module
+from trainer.logprobs import shared_prefix_plan, shared_prefix_token_logprobs, token_logprobs
 
 VOCAB = 64
 
@@ -127,3 +128,88 @@ def test_bad_inputs_raise(model):
         token_logprobs(model, ids, mask, temperature=0.0)
     with pytest.raises(ValueError, match=r"\[B, L\]"):
         token_logprobs(model, ids, mask[:, :-1])
+
+
+# --- shared prompts: one packed sequence per group ----------------------------------------------------------
+
+
+def _grouped_batch(seed: int = 3):
+    """Right-padded rows: three prompts (3, 5 and 3 tokens; the third starts like the first) shared by 3, 2 and
+    2 rows in interleaved order, completions of 1-6 tokens; loss_mask on the completions."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (3, 5, 3)]
+    prompts[2][:2] = prompts[0][:2]  # same first two tokens, different third: a different group
+    which = [0, 1, 0, 2, 1, 0, 2]
+    rows = [torch.cat([prompts[w], torch.randint(1, VOCAB, (int(torch.randint(1, 7, (1,), generator=gen)),),
+                                                 generator=gen)]) for w in which]  # fmt: skip
+    ids, mask = _pad(rows, "right")
+    loss_mask = torch.zeros_like(mask, dtype=torch.bool)
+    for i, w in enumerate(which):
+        loss_mask[i, len(prompts[w]) : len(rows[i])] = True
+    return ids, mask, loss_mask, prompts, which
+
+
+def test_shared_prefix_plan_packs_each_prompt_once():
+    ids, mask, loss_mask, prompts, which = _grouped_batch()
+    plan = shared_prefix_plan(ids, mask, loss_mask)
+    assert plan.input_ids.shape[0] == 3  # one packed sequence per distinct prompt
+    # every prompt once, every completion token once (real tokens are >= 1, packing pads with 0)
+    assert int((plan.input_ids != 0).sum()) == sum(len(p) for p in prompts) + int(loss_mask.sum())
+    assert sorted(zip(plan.row.tolist(), plan.col.tolist(), strict=True)) == [tuple(x) for x in loss_mask.nonzero().tolist()]
+    # each completion token sits in its group with its own token and its own row's position
+    assert torch.equal(plan.input_ids[plan.group, plan.packed_col], ids[plan.row, plan.col])
+    assert torch.equal(plan.position_ids[plan.group, plan.packed_col], plan.col)
+    # and sees its prompt and the earlier tokens of its own completion, nothing else
+    for g, q, r in zip(plan.group.tolist(), plan.packed_col.tolist(), plan.row.tolist(), strict=True):
+        own = [pc for gg, pc, rr in zip(plan.group.tolist(), plan.packed_col.tolist(), plan.row.tolist(),
+                                        strict=True) if gg == g and rr == r and pc <= q]  # fmt: skip
+        assert plan.allowed[g, q].nonzero().flatten().tolist() == list(range(len(prompts[which[r]]))) + own
+        # predicted by the token before it in its own row: the prompt's last token for the first one
+        predictor = int(plan.predictor[(plan.group == g) & (plan.packed_col == q)])
+        assert int(plan.position_ids[g, predictor]) == int(plan.position_ids[g, q]) - 1
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_shared_prefix_logprobs_match_the_padded_rows(model, temperature):
+    ids, mask, loss_mask, _, _ = _grouped_batch()
+    with torch.no_grad():
+        plain, plain_entropy = token_logprobs(model, ids, mask, temperature=temperature, with_entropy=True)
+        shared, shared_entropy = shared_prefix_token_logprobs(
+            model, ids, mask, loss_mask, temperature=temperature, with_entropy=True
+        )
+    torch.testing.assert_close(shared[loss_mask], plain[loss_mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(shared_entropy[loss_mask], plain_entropy[loss_mask], atol=1e-5, rtol=0)
+    assert torch.all(shared[~loss_mask] == 0) and torch.all(shared_entropy[~loss_mask] == 0)
+
+
+def test_shared_prefix_gradients_match_the_padded_rows():
+    ids, mask, loss_mask, _, _ = _grouped_batch()
+    grads = []
+    for fn in ("plain", "shared"):
+        model = random_qwen2(0, vocab_size=VOCAB)
+        if fn == "plain":
+            logprobs, entropy = token_logprobs(model, ids, mask, with_entropy=True)
+        else:
+            logprobs, entropy = shared_prefix_token_logprobs(model, ids, mask, loss_mask, with_entropy=True)
+        weights = torch.linspace(-1, 1, ids.numel()).reshape(ids.shape)
+        (logprobs * weights + 0.1 * entropy)[loss_mask].sum().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
+    for key in grads[0]:
+        torch.testing.assert_close(grads[1][key], grads[0][key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_shared_prefix_rejects_left_padding_and_oversized_masks(model, monkeypatch):
+    ids, mask, loss_mask, _, _ = _grouped_batch()
+    left = torch.roll(mask, shifts=1, dims=1)
+    left[:, 0] = 0
+    with pytest.raises(ValueError, match="right-padded"):
+        shared_prefix_token_logprobs(model, ids, left, loss_mask & left.bool())
+    monkeypatch.setattr(logprobs_module, "MAX_SHARED_MASK_ENTRIES", 10)
+    with pytest.raises(ValueError, match="share_prompts=false"):
+        shared_prefix_token_logprobs(model, ids, mask, loss_mask)
+
+
+def test_shared_prefix_with_nothing_trained_still_runs_the_model(model):
+    ids, mask, loss_mask, _, _ = _grouped_batch()
+    logprobs, _ = shared_prefix_token_logprobs(model, ids, mask, torch.zeros_like(loss_mask))
+    assert logprobs.requires_grad  # the forward ran (FSDP2 ranks must all run it), values unused
