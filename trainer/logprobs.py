@@ -226,11 +226,13 @@ def shared_prefix_token_logprobs(
     device = input_ids.device
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
     entropy_out = torch.zeros_like(out) if with_entropy else None
-    dtype = next(model.parameters()).dtype
-    bias = torch.zeros(plan.allowed.shape, dtype=dtype).masked_fill_(~plan.allowed, torch.finfo(dtype).min)
+    # sdpa takes the boolean mask whatever the compute dtype (bf16 under FSDP2 mixed precision); eager attention
+    # adds the mask to its scores, so it gets the additive float form.
+    mask = plan.allowed if attn != "eager" else torch.zeros(plan.allowed.shape).masked_fill_(
+        ~plan.allowed, torch.finfo(torch.float32).min)  # fmt: skip
     logits = model(
         input_ids=plan.input_ids.to(device),
-        attention_mask=bias[:, None].to(device),
+        attention_mask=mask[:, None].to(device),
         position_ids=plan.position_ids.to(device),
     ).logits  # [G, L', V]
     group, predictor = plan.group.to(device), plan.predictor.to(device)

@@ -169,8 +169,10 @@ def test_shared_prefix_plan_packs_each_prompt_once():
         assert int(plan.position_ids[g, predictor]) == int(plan.position_ids[g, q]) - 1
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])  # a boolean mask for sdpa, an additive one for eager
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_shared_prefix_logprobs_match_the_padded_rows(model, temperature):
+def test_shared_prefix_logprobs_match_the_padded_rows(temperature, attention):
+    model = random_qwen2(0, vocab_size=VOCAB, attn_implementation=attention)
     ids, mask, loss_mask, _, _ = _grouped_batch()
     with torch.no_grad():
         plain, plain_entropy = token_logprobs(model, ids, mask, temperature=temperature, with_entropy=True)
