@@ -53,6 +53,9 @@ Not matched (what each system is):
   and normalises by the tokens of the rest; TRL keeps them with advantage 0: it still runs their forward and
   backward passes (about half of each batch here) and counts their tokens in the DAPO denominator, so its
   gradient is smaller by that share before clipping (clipping to norm 1.0 then bounds both updates).
+- Shared prompts: trustbatch's trainer runs each group's prompt once and packs its 8 completions after it
+  (trainer.share_prompts, on in the quickstart config; the same logprobs and gradients), about 2.5x fewer
+  tokens through the model here; TRL runs 256 padded prompt + completion rows.
 - Extra work in TRL's step: the loss forward also computes per-token entropies (for logging).
 - Prompt order: TRL's RepeatSampler shuffles the dataset with the seed; trustbatch's PromptSampler draws
   seeded epochs: the same prompts in different orders, and different sampling random streams.

@@ -288,6 +288,7 @@ def test_train_batch_rejects_bad_tensors_with_shapes_in_the_message():
         ({"micro_batch_size": 0}, "trainer.micro_batch_size"),
         ({"max_grad_norm": -1.0}, "trainer.max_grad_norm"),
         ({"ess_scope": "global"}, "trainer.ess_scope"),
+        ({"share_prompts": "yes"}, "trainer.share_prompts"),
     ],
 )
 def test_trainer_config_validation(kwargs, match):
