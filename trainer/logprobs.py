@@ -176,9 +176,8 @@ def shared_prefix_plan(input_ids: Tensor, attention_mask: Tensor, loss_mask: Ten
             packed_col += range(q, q + r)
             predictor += [p - 1, *range(q, q + r - 1)]  # the prompt's last token predicts the first one
             q += r
-    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
-    return SharedPrefixPlan(packed, positions, allowed, as_long(row), as_long(col), as_long(group),
-                            as_long(packed_col), as_long(predictor))  # fmt: skip
+    index = [torch.tensor(values, dtype=torch.long) for values in (row, col, group, packed_col, predictor)]
+    return SharedPrefixPlan(packed, positions, allowed, *index)
 
 
 def shared_prefix_token_logprobs(
