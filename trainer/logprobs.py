@@ -154,6 +154,13 @@ def shared_prefix_plan(input_ids: Tensor, attention_mask: Tensor, loss_mask: Ten
     lengths = attended.sum(1).tolist()
     sizes = [len(p) + sum(lengths[b] - len(p) for b in rows) for p, rows in groups.items()]
     width = max(sizes, default=1)
+    entries = len(groups) * width * width
+    if entries > MAX_SHARED_MASK_ENTRIES:  # checked before anything that size is allocated
+        raise ValueError(
+            f"trainer.share_prompts would build a {len(groups)}x{width}x{width} attention mask ({entries:,} "
+            f"entries, limit {MAX_SHARED_MASK_ENTRIES:,}): packing a group's completions after one prompt pays "
+            "for short completions; set trainer.share_prompts=false or lower trainer.micro_batch_size"
+        )
     packed = torch.zeros((len(groups), width), dtype=torch.long)
     positions = torch.zeros((len(groups), width), dtype=torch.long)
     allowed = torch.eye(width, dtype=torch.bool).repeat(len(groups), 1, 1)  # padding attends to itself
@@ -214,14 +221,6 @@ def shared_prefix_token_logprobs(
         return token_logprobs(model, input_ids, attention_mask, temperature=temperature,
                               with_entropy=with_entropy, chunk_size=chunk_size)  # fmt: skip
     plan = shared_prefix_plan(input_ids, attention_mask, loss_mask)
-    entries = plan.allowed.numel()
-    if entries > MAX_SHARED_MASK_ENTRIES:
-        raise ValueError(
-            f"trainer.share_prompts would build a {'x'.join(map(str, plan.allowed.shape))} attention mask "
-            f"({entries:,} entries, limit {MAX_SHARED_MASK_ENTRIES:,}): packing a group's completions after "
-            "one prompt pays for short completions; set trainer.share_prompts=false or lower "
-            "trainer.micro_batch_size"
-        )
     device = input_ids.device
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=device)
     entropy_out = torch.zeros_like(out) if with_entropy else None
