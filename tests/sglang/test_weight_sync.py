@@ -116,16 +116,16 @@ def test_distributed_sync_rejects_a_second_group_with_the_same_name_and_recovers
 # ------------------------------------------------------------------ a request in flight during an update
 
 
-async def stream_long_request(url: str, on_started, *, check_midway=None):
-    """Stream one LONG-token request; call ``on_started()`` once the first tokens arrived, ``check_midway()``
-    once half of them did. Returns the last chunk (cumulative: the whole answer)."""
+async def stream_long_request(url: str, on_started):
+    """Stream one LONG-token request; call ``on_started()`` once the first tokens arrived. Returns the last
+    chunk (cumulative: the whole answer)."""
     body = {
         "input_ids": [1, 2, 3],
         "sampling_params": {"max_new_tokens": LONG, "temperature": 1.0, "ignore_eos": True},
         "return_logprob": True,
         "stream": True,
     }
-    started = midway = False
+    started = False
     last = None
     async with httpx.AsyncClient(trust_env=False, timeout=120) as http:
         async with http.stream("POST", url + "/generate", json=body) as response:
@@ -137,13 +137,9 @@ async def stream_long_request(url: str, on_started, *, check_midway=None):
                 if data == "[DONE]":
                     break
                 last = json.loads(data)
-                done = len(last["output_ids"])
                 if not started:
                     started = True
                     await on_started()
-                if check_midway is not None and not midway and done >= LONG // 2:
-                    midway = True
-                    check_midway()
     return last
 
 
@@ -167,11 +163,11 @@ def test_update_waits_for_the_request_in_flight(server, models, method):
             update.append(asyncio.ensure_future(work))
             await asyncio.sleep(0)  # let it send its first request
 
-        def still_waiting():
-            assert not update[0].done(), "the update finished while a request was still generating"
-
+        # Whether the update waited is read from the server's own record (every token's weight version, below),
+        # not from when this client saw which reply: on a starved CPU the stream's chunks sit in the socket
+        # while the update's reply is read first, though the server finished the request before updating.
         try:
-            last = await stream_long_request(server.url, start_update, check_midway=still_waiting)
+            last = await stream_long_request(server.url, start_update)
             await update[0]
             info = await client.model_info()
             after = await client.generate(PROMPTS, SAMPLED)
