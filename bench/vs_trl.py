@@ -358,6 +358,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 60 s, seed 0, 300 eval prompts")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    parser.add_argument("--plot-only", action="store_true", help="redraw OUT/vs_trl.png from OUT/vs_trl.json")
     args = parser.parse_args()
     args.seconds = args.seconds or (60.0 if args.quick else 300.0)
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
@@ -409,6 +410,10 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
 
 def main() -> int:
     args = parse_args()
+    if args.plot_only:
+        plot(json.loads((args.out / "vs_trl.json").read_text()), args.out / "vs_trl.png")
+        print(f"wrote {args.out / 'vs_trl.png'}")
+        return 0
     cfg = quickstart_config()
     root = args.out.resolve() / "vs_trl"
     ensure_trl_env()
@@ -444,8 +449,39 @@ def main() -> int:
     }
     out = args.out / "vs_trl.json"
     out.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"\nwrote {out}")
+    plot(report, args.out / "vs_trl.png")
+    print(f"\nwrote {out} and {args.out / 'vs_trl.png'}")
     return 0
+
+
+def plot(report: dict, path: Path) -> None:
+    """Completions/s and held-out gain per system: each seed a dot, the mean ± across-seed SE a bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = ["trustbatch", "trl"]
+    threads = report["settings"]["trl_threads"]
+    labels = ["trustbatch", f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''})"]
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    for ax, key, scale, title in (
+        (axes[0], "completions_per_s", 1.0, "completions / s of training"),
+        (axes[1], "gain", 100.0, "held-out pass@1 gain (points)"),
+    ):
+        for i, system in enumerate(systems):
+            values = [scale * r[key] for r in report["runs"] if r["system"] == system]
+            m = mean(values)
+            se = stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+            ax.bar(i, m, yerr=se, capsize=4, color=("tab:blue", "tab:orange")[i], alpha=0.7)
+            ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
+        ax.set_xticks(range(len(systems)), labels)
+        ax.set_title(title)
+    seconds, seeds = report["settings"]["seconds"], report["settings"]["seeds"]
+    fig.suptitle(f"{seconds:g} s of training each, seeds {seeds} (dots), mean ± across-seed SE (bars)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
