@@ -51,6 +51,26 @@ def _chunk_logprobs(logits: Tensor, targets: Tensor, temperature: float, with_en
     return token_logp, entropy
 
 
+def _check_sampling_args(temperature: float, chunk_size: int) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the sampling temperature); got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+
+
+def _chunked_logprobs(pieces, temperature: float, with_entropy: bool, use_checkpoint: bool):
+    """`_chunk_logprobs` over (logits, targets) chunks, each under activation checkpointing when gradients are
+    needed; returns the lists of logprob chunks and of entropy chunks (empty without `with_entropy`)."""
+    logp_chunks, entropy_chunks = [], []
+    for logits, targets in pieces:
+        args = (logits, targets, temperature, with_entropy)
+        out = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if use_checkpoint else _chunk_logprobs(*args)
+        logp_chunks.append(out[0] if with_entropy else out)
+        if with_entropy:
+            entropy_chunks.append(out[1])
+    return logp_chunks, entropy_chunks
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: Tensor,
@@ -71,10 +91,7 @@ def token_logprobs(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and "
             f"{tuple(attention_mask.shape)}"
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the sampling temperature); got {temperature}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1; got {chunk_size}")
+    _check_sampling_args(temperature, chunk_size)
 
     position_ids = position_ids_from_mask(attention_mask)
     logits = model(
@@ -84,21 +101,13 @@ def token_logprobs(
     ).logits  # [B, L, V]; logits[:, t] predicts input_ids[:, t + 1]
 
     batch, length = input_ids.shape
+    predicting, predicted = logits[:, :-1], input_ids[:, 1:]  # logits[:, t] predicts input_ids[:, t + 1]
+    pieces = (
+        (predicting[:, start : start + chunk_size], predicted[:, start : start + chunk_size])
+        for start in range(0, length - 1, chunk_size)
+    )
     use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
-    logp_chunks, entropy_chunks = [], []
-    for start in range(0, length - 1, chunk_size):
-        end = min(start + chunk_size, length - 1)
-        args = (logits[:, start:end], input_ids[:, start + 1 : end + 1], temperature, with_entropy)
-        out = (
-            checkpoint(_chunk_logprobs, *args, use_reentrant=False)
-            if use_checkpoint
-            else _chunk_logprobs(*args)
-        )
-        if with_entropy:
-            logp_chunks.append(out[0])
-            entropy_chunks.append(out[1])
-        else:
-            logp_chunks.append(out)
+    logp_chunks, entropy_chunks = _chunked_logprobs(pieces, temperature, with_entropy, use_checkpoint)
 
     zeros = logits.new_zeros((batch, 1), dtype=torch.float32)
     attended = attention_mask.bool() & (position_ids > 0)
@@ -208,8 +217,7 @@ def shared_prefix_token_logprobs(
             f"input_ids, attention_mask and loss_mask must all be [B, L]; got {tuple(input_ids.shape)}, "
             f"{tuple(attention_mask.shape)} and {tuple(loss_mask.shape)}"
         )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0 (the sampling temperature); got {temperature}")
+    _check_sampling_args(temperature, chunk_size)
     attn = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if attn is not None and attn not in ("sdpa", "eager"):
         raise ValueError(
@@ -235,16 +243,13 @@ def shared_prefix_token_logprobs(
     ).logits  # [G, L', V]
     group, predictor = plan.group.to(device), plan.predictor.to(device)
     targets = input_ids[plan.row.to(device), plan.col.to(device)]
+    pieces = (
+        (logits[group[start : start + chunk_size], predictor[start : start + chunk_size]][None],
+         targets[start : start + chunk_size][None])
+        for start in range(0, targets.numel(), chunk_size)
+    )  # fmt: skip
     use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
-    logp_chunks, entropy_chunks = [], []
-    for start in range(0, targets.numel(), chunk_size):
-        end = min(start + chunk_size, targets.numel())
-        chunk = logits[group[start:end], predictor[start:end]][None]  # [1, C, V]
-        args = (chunk, targets[start:end][None], temperature, with_entropy)
-        result = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if use_checkpoint else _chunk_logprobs(*args)
-        logp_chunks.append(result[0] if with_entropy else result)
-        if with_entropy:
-            entropy_chunks.append(result[1])
+    logp_chunks, entropy_chunks = _chunked_logprobs(pieces, temperature, with_entropy, use_checkpoint)
     index = (plan.row.to(device), plan.col.to(device))
     out = out.index_put(index, torch.cat(logp_chunks, dim=1)[0])
     if with_entropy:
