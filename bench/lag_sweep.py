@@ -38,6 +38,7 @@ import math
 import sys
 from pathlib import Path
 
+from plot_sweeps import draw_gain_against_lag
 from training_runs import REPO, machine, train
 
 
@@ -251,18 +252,8 @@ def plot(done: dict, table: list[dict], args, path: Path) -> None:
         ax.set_xlabel("step")
         ax.set_ylabel("held-out sampled pass@1 (%)")
         ax.legend(fontsize=8)
-    ax = axes[-1]
-    for objective in args.objectives:
-        rows = [r for r in table if r["objective"] == objective]
-        ax.errorbar([r["lag"] for r in rows], [100 * r["gain"] for r in rows],
-                    yerr=[100 * r["gain_seed_se"] for r in rows], marker="o", capsize=3, label=objective)
-    ax.axhline(0, color="#999", lw=0.8)
-    ax.set_xscale("symlog", base=2)
-    ax.set_xticks(args.lags, [str(k) for k in args.lags])
-    ax.set_xlabel("forced policy lag k")
-    ax.set_ylabel(f"gain in pass@1 after {args.steps} steps (points)")
-    ax.set_title("gain against lag (± across-seed SE)")
-    ax.legend()
+    lines = [(objective, [r for r in table if r["objective"] == objective]) for objective in args.objectives]
+    draw_gain_against_lag(axes[-1], lines, f"gain in pass@1 after {args.steps} steps (points)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
