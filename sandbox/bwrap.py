@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 
-from sandbox.executor import ExecutionResult, Limits, SandboxConfig, SandboxError, SandboxUnavailable
+from sandbox.base import ExecutionResult, Limits, SandboxConfig, SandboxError, SandboxUnavailable
 from sandbox.process import ENV, communicate, kill_group, prlimit_argv, process_result, wait_status
 
 SLOTS = 64

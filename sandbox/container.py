@@ -33,7 +33,7 @@ import uuid
 import weakref
 from pathlib import Path
 
-from sandbox.executor import ExecutionResult, Limits, SandboxConfig, SandboxError, SandboxUnavailable
+from sandbox.base import ExecutionResult, Limits, SandboxConfig, SandboxError, SandboxUnavailable
 from sandbox.process import CappedBuffer, killed_by_cpu_limit, memory_error_in
 
 SUPERVISOR = (Path(__file__).parent / "_supervisor.py").read_text()

@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from sandbox.executor import ExecutionResult, Limits, SandboxConfig, SandboxUnavailable
+from sandbox.base import ExecutionResult, Limits, SandboxConfig, SandboxUnavailable
 
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": "/tmp"}
 _MEMORY_ERROR = re.compile(r"^MemoryError\b", re.M)
