@@ -30,25 +30,32 @@ Metrics returned by `policy_objective` (all detached 0-dim float32 tensors), by 
 - Per call (neither SUM nor MAX; the caller averages it over calls): `loss/ess`, the ESS the call used (with
   per-sequence ESS, their mean over the call's valid tokens).
 
-A new surrogate is one pure function returning (per-token loss, capped-token mask) plus one `match` arm in
-`policy_objective`.
+Objectives are registered by name in `LOSSES` (`register_loss`): each entry is a pure per-token function
+returning (per-token loss, capped-token mask) and whether the objective carries the (1 − ESS)-weighted
+behaviour-KL trust-region term. A new surrogate is one such function under `@register_loss("name")`;
+`ObjectiveConfig` accepts exactly the registered names, and `policy_objective` reduces, normalises and adds
+the shared terms for all of them alike.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
-ObjectiveName = Literal["ess", "ppo_clip", "reinforce"]
-OBJECTIVE_NAMES: tuple[str, ...] = ("ess", "ppo_clip", "reinforce")
 BehaviourKL = Literal["k3", "k2", "k3_capped"]
 BEHAVIOUR_KL_NAMES: tuple[str, ...] = ("k3", "k2", "k3_capped")
 LossPart = Literal["all", "policy", "behaviour_kl"]
-LOSS_PARTS: tuple[str, ...] = ("all", "policy", "behaviour_kl")
+# The terms each loss part holds: `all` is the objective; the other two are the gradient diagnostics' parts.
+LOSS_PARTS: dict[str, frozenset[str]] = {
+    "all": frozenset({"policy", "behaviour_kl", "entropy", "ref_kl"}),
+    "policy": frozenset({"policy"}),
+    "behaviour_kl": frozenset({"behaviour_kl"}),
+}
 
 # Bound on exp() arguments inside the k3 KL estimator (trainer/README.md).
 _KL_EXP_CLAMP = 10.0
@@ -58,8 +65,9 @@ _KL_EXP_CLAMP = 10.0
 class ObjectiveConfig:
     """Which policy objective to optimise, and its coefficients (`objective.*` in the run config)."""
 
-    name: ObjectiveName = "ess"
-    """Objective: `ess` (ESS trust batch, the default), `ppo_clip` (GRPO/DAPO surrogate) or `reinforce`."""
+    name: str = "ess"
+    """Objective, a name registered in `LOSSES`: `ess` (ESS trust batch, the default), `ppo_clip` (GRPO/DAPO
+    surrogate) or `reinforce`."""
 
     clip_low: float = 0.2
     """ppo_clip only: the ratio is clipped below at 1 - clip_low."""
@@ -85,10 +93,10 @@ class ObjectiveConfig:
     """k3_capped only: the cap on 1/r; below r = 1/cap the estimator continues linearly (> 1)."""
 
     def __post_init__(self) -> None:
-        if self.name not in OBJECTIVE_NAMES:
+        if self.name not in LOSSES:
             raise ValueError(
                 f"objective.name={self.name!r} is not a known objective; "
-                f"use one of {list(OBJECTIVE_NAMES)}, e.g. objective.name=ess"
+                f"use one of {list(LOSSES)}, e.g. objective.name=ess"
             )
         if self.behaviour_kl not in BEHAVIOUR_KL_NAMES:
             raise ValueError(
@@ -180,7 +188,8 @@ def ess_from_sums(sums: Tensor) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Token-level terms. Each surrogate returns (per-token loss [B, T], capped [B, T] bool); reduction is elsewhere.
+# Token-level terms: the KL estimators, then the registered surrogates, each returning (per-token loss [B, T],
+# capped [B, T] bool); reduction is elsewhere.
 
 
 def k3_kl(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
@@ -223,14 +232,54 @@ def behaviour_kl_estimate(logprobs: Tensor, other_logprobs: Tensor, cfg: Objecti
             raise ValueError(f"objective.behaviour_kl={cfg.behaviour_kl!r} is not one of {list(BEHAVIOUR_KL_NAMES)}")
 
 
+class TokenLoss(Protocol):
+    """A surrogate's pure per-token function: (per-token loss [B, T], capped [B, T] bool).
+
+    Called with the sanitised, masked tensors of one micro-batch: `logprobs` ℓ (with gradient), `ratio` r
+    (with gradient through ℓ), `advantages` A, `ess` (a float, or [B, 1] with one ESS per row) and the
+    config. It may ignore any of them; reduction, normalisation and the shared terms are `policy_objective`'s.
+    """
+
+    def __call__(
+        self, *, logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float | Tensor,
+        cfg: ObjectiveConfig,
+    ) -> tuple[Tensor, Tensor]: ...  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RegisteredLoss:
+    """An objective of the registry: its per-token policy term, and whether it adds the trust-region term."""
+
+    token_loss: TokenLoss
+    behaviour_kl: bool
+    """True: the loss also holds (1 − ESS)·Σ kl_t, the behaviour-KL trust-region term (the ESS objective)."""
+
+
+LOSSES: dict[str, RegisteredLoss] = {}
+"""`objective.name` → its registered loss, filled by `register_loss`; the names `ObjectiveConfig` accepts."""
+
+
+def register_loss(name: str, *, behaviour_kl: bool = False) -> Callable[[TokenLoss], TokenLoss]:
+    """Decorator: register a `TokenLoss` as the objective `name` (`behaviour_kl`: see `RegisteredLoss`)."""
+
+    def register(token_loss: TokenLoss) -> TokenLoss:
+        if name in LOSSES:
+            raise ValueError(f"objective {name!r} is already registered")
+        LOSSES[name] = RegisteredLoss(token_loss, behaviour_kl)
+        return token_loss
+
+    return register
+
+
+@register_loss("ess", behaviour_kl=True)
 def ess_token_loss(
-    logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float | Tensor
+    *, logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float | Tensor, cfg: ObjectiveConfig
 ) -> tuple[Tensor, Tensor]:
     """ESS policy term: −ρ·ℓ·A with ρ = stopgrad(clamp(r, 0, ESS)) (README, "the cap").
 
     `ess` is one float, or a [B, 1] tensor (one cap per row, the per-sequence scope). Its gradient is
-    −ρ·A·∇ℓ: the capped weight carries none. The (1 − ESS)·kl trust-region term is added by
-    `policy_objective`, which reports it separately (`loss/kl_behaviour`).
+    −ρ·A·∇ℓ: the capped weight carries none. The (1 − ESS)·kl trust-region term (`behaviour_kl=True`) is added
+    by `policy_objective`, which reports it separately (`loss/kl_behaviour`).
     """
     r = ratio.detach()
     cap = torch.as_tensor(ess, dtype=r.dtype, device=r.device)
@@ -238,13 +287,15 @@ def ess_token_loss(
     return -weight * logprobs * advantages, r > cap
 
 
+@register_loss("ppo_clip")
 def ppo_clip_token_loss(
-    ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float
+    *, logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float | Tensor, cfg: ObjectiveConfig
 ) -> tuple[Tensor, Tensor]:
     """PPO/DAPO clipped surrogate: −min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A), gradient through r.
 
     A token is "capped" when the clipped branch is active and cuts its gradient to zero.
     """
+    clip_low, clip_high = cfg.clip_low, cfg.clip_high
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
     r = ratio.detach()
@@ -252,7 +303,10 @@ def ppo_clip_token_loss(
     return -torch.minimum(unclipped, clipped), capped
 
 
-def reinforce_token_loss(logprobs: Tensor, advantages: Tensor) -> tuple[Tensor, Tensor]:
+@register_loss("reinforce")
+def reinforce_token_loss(
+    *, logprobs: Tensor, ratio: Tensor, advantages: Tensor, ess: float | Tensor, cfg: ObjectiveConfig
+) -> tuple[Tensor, Tensor]:
     """REINFORCE without importance correction: −ℓ·A. Nothing is capped."""
     return -logprobs * advantages, torch.zeros_like(logprobs, dtype=torch.bool)
 
@@ -339,17 +393,13 @@ def policy_objective(
             raise ValueError(f"ess={ess} must be in (0, 1]; compute it with ess_from_sums")
         ess_cap, ess_used = ess, ess
 
-    kl_coef: float | Tensor = 0.0  # weight of the behaviour-KL term; only the ESS objective has one
-    match cfg.name:
-        case "ess":
-            token_loss, capped = ess_token_loss(logp, ratio, adv, ess_cap)
-            kl_coef = 1.0 - ess_cap
-        case "ppo_clip":
-            token_loss, capped = ppo_clip_token_loss(ratio, adv, cfg.clip_low, cfg.clip_high)
-        case "reinforce":
-            token_loss, capped = reinforce_token_loss(logp, adv)
-        case _:
-            raise ValueError(f"objective.name={cfg.name!r} is not one of {list(OBJECTIVE_NAMES)}")
+    registered = LOSSES.get(cfg.name)
+    if registered is None:
+        raise ValueError(f"objective.name={cfg.name!r} is not one of {list(LOSSES)}")
+    token_loss, capped = registered.token_loss(
+        logprobs=logp, ratio=ratio, advantages=adv, ess=ess_cap, cfg=cfg
+    )
+    kl_coef: float | Tensor = 1.0 - ess_cap if registered.behaviour_kl else 0.0  # the behaviour-KL term's weight
     policy_sum = torch.where(mask, token_loss, 0.0).sum()
     kl_sum = kl_behaviour.sum()
     weighted_kl_sum: Tensor | None = None  # (1 − ESS)·Σ kl; None: no behaviour-KL term (baselines, ESS = 1)
@@ -357,24 +407,22 @@ def policy_objective(
         weighted_kl_sum = (kl_coef * kl_behaviour).sum()
     elif kl_coef != 0:
         weighted_kl_sum = kl_coef * kl_sum
-    match part:
-        case "all":
-            loss_sum = policy_sum if weighted_kl_sum is None else policy_sum + weighted_kl_sum
-        case "policy":
-            loss_sum = policy_sum
-        case "behaviour_kl":  # 0 · policy_sum keeps the graph (and FSDP's hooks) the same when there is no term
-            loss_sum = 0.0 * policy_sum if weighted_kl_sum is None else weighted_kl_sum + 0.0 * policy_sum
+    terms = LOSS_PARTS[part]
+    # 0 · policy_sum keeps the graph (and FSDP's hooks) the same when the part leaves the policy term out.
+    loss_sum = policy_sum if "policy" in terms else 0.0 * policy_sum
+    if "behaviour_kl" in terms and weighted_kl_sum is not None:
+        loss_sum = loss_sum + weighted_kl_sum
 
     metrics: dict[str, Tensor] = {}
     if entropy is not None:
         ent = torch.where(mask, entropy.float(), 0.0)
-        if cfg.entropy_coef != 0 and part == "all":
+        if cfg.entropy_coef != 0 and "entropy" in terms:
             loss_sum = loss_sum - cfg.entropy_coef * ent.sum()
         metrics["loss/entropy"] = ent.sum().detach() / denom
     if ref_logprobs is not None:
         ref = torch.where(mask, ref_logprobs.float(), 0.0)
         ref_kl = torch.where(mask, k3_kl(logp, ref), 0.0)
-        if cfg.ref_kl_coef > 0 and part == "all":
+        if cfg.ref_kl_coef > 0 and "ref_kl" in terms:
             loss_sum = loss_sum + cfg.ref_kl_coef * ref_kl.sum()
         metrics["loss/ref_kl"] = ref_kl.sum().detach() / denom
 

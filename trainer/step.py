@@ -3,26 +3,30 @@
 This is the one module that calls both sides: the pure objective (`trainer/objective.py`) and the
 systems code (`trainer/distributed.py`, through the injected `Reducer`; no collective is called here).
 
-`train_step` in order (torchtitan `train_step`):
-1. Valid tokens = `valid_token_mask(loss_mask, old_logprobs)` (tokens with a non-finite behaviour logprob are
-   dropped, not zeroed). N = their count SUM-reduced over ranks, once, before the micro-batch loop.
-2. The batch is cut into micro-batches of `micro_batch_size` rows. Every rank must run the same number of
-   forwards and backwards (FSDP2 communicates in each), so the count is MAX-reduced and a rank with fewer
-   rows runs padding micro-batches: one of its rows with an all-False mask, which adds 0 to the loss, the
-   gradient, N and the ESS sums. Any batch size on any rank works; no divisibility is required.
-3. ESS (trainer/README.md) from the detached ratios: local (Σr, Σr², n) → `reducer.sum_` → `ess_from_sums`.
+`train_step` in order (torchtitan `train_step`), each stage a module-level function (the ESS's: `EssScope`):
+1. `plan_step`: valid tokens = `valid_token_mask(loss_mask, old_logprobs)` (tokens with a non-finite
+   behaviour logprob are dropped, not zeroed). N = their count SUM-reduced over ranks, once, before any
+   forward.
+2. `plan_step`: the batch is cut into micro-batches of `micro_batch_size` rows (`StepPlan`). Every rank must
+   run the same number of forwards and backwards (FSDP2 communicates in each), so the count is MAX-reduced and
+   a rank with fewer rows runs padding micro-batches: one of its rows with an all-False mask, which adds 0 to
+   the loss, the gradient, N and the ESS sums. Any batch size on any rank works; no divisibility is required.
+3. `EssScope` (`EssScope.prepare`, then `EssScope.micro_batch_ess` per micro-batch): ESS (trainer/README.md)
+   from the detached ratios: local (Σr, Σr², n) → `reducer.sum_` → `ess_from_sums`.
    `ess_scope="micro_batch"` (default, as FeynRL): one ESS per micro-batch index, over that micro-batch on
    all ranks. `ess_scope="step"`: one ESS over the whole step, from an extra no-grad forward pass over all
    micro-batches before the training pass (one more forward per step). `ess_scope="sequence"`: one ESS per
    sequence over its own tokens (`ess_per_sequence`; no collective).
-4. loss = `policy_objective(..., num_tokens=N, ess=ess)`; `(loss * dp_scale).backward()`.
-5. Pre-clip global grad norm, clipped to `max_grad_norm` with `torch.nn.utils.clip_grad_norm_`. With
-   `diagnose=True`, two passes before the training pass measure the pre-clip norms of the policy term's
-   gradient and of the behaviour-KL term's alone (two more forwards and backwards; the gradients are
-   discarded).
-6. Non-finite guard: when the loss or the grad norm is non-finite on ANY rank (a flag MAX-reduced), the
-   gradients are zeroed and neither the optimizer nor the scheduler steps.
-7. `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`.
+4. `forward_backward`, per micro-batch: the forward (`PolicyForward`), loss =
+   `policy_objective(..., num_tokens=N, ess=ess)`, `(loss * dp_scale).backward()`.
+5. `clip_and_guard`: pre-clip global grad norm, clipped to `max_grad_norm` with
+   `torch.nn.utils.clip_grad_norm_`. With `diagnose=True`, `grad_diagnostics` runs two passes before the
+   training pass to measure the pre-clip norms of the policy term's gradient and of the behaviour-KL term's
+   alone (two more forwards and backwards; the gradients are discarded).
+6. `clip_and_guard`, the non-finite guard: when the loss or the grad norm is non-finite on ANY rank (a flag
+   MAX-reduced), the gradients are zeroed and neither the optimizer nor the scheduler steps.
+7. `optimizer_step`: `optimizer.step()`, `scheduler.step()`, `optimizer.zero_grad()`. Then `reduce_metrics`
+   reduces the training pass's metrics over micro-batches and ranks.
 
 Gradient convention (DP scaling). Each micro-batch loss is its masked token sum divided by the
 GLOBAL N, so gradients accumulated over micro-batches and summed over ranks are the gradient of
@@ -37,15 +41,14 @@ Metrics returned (Python floats, identical on every rank): the objective's `loss
 micro-batches and ranks as trainer/objective.py describes, plus `train/grad_norm` (before clipping),
 `train/clipped` (1 when clipping changed the gradient), `train/lr`, `train/num_tokens`, `train/micro_batches`,
 `train/skipped` and `timing/train_step`; with `diagnose=True` also `train/grad_norm/policy` and
-`train/grad_norm/behaviour_kl`. What each
-one means is in the metric glossary, trainer/README.md.
+`train/grad_norm/behaviour_kl`. What each one means is in the metric glossary, trainer/README.md.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -244,8 +247,232 @@ def _micro_batches(
     return out
 
 
+@dataclass(frozen=True)
+class PolicyForward:
+    """How a micro-batch goes through the model: as padded rows, or with each shared prompt run once
+    (`trainer.share_prompts`); logprobs and entropies at the rollouts' sampling temperature."""
+
+    model: torch.nn.Module
+    share_prompts: bool
+    temperature: float
+
+    def __call__(self, mb: _MicroBatch) -> tuple[Tensor, Tensor]:
+        """(logprobs, entropy), both [b, l], with gradient unless run under no_grad."""
+        if self.share_prompts:
+            logprobs, entropy = shared_prefix_token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, mb.mask,
+                temperature=self.temperature, with_entropy=True,
+            )  # fmt: skip
+        else:
+            logprobs, entropy = token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, temperature=self.temperature, with_entropy=True
+            )
+        assert entropy is not None
+        return logprobs, entropy
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """This rank's micro-batches and the global scale of their losses (the module docstring's convention)."""
+
+    num_tokens: float
+    """N, the global number of valid tokens of the step: every micro-batch loss is divided by it."""
+    micro_batches: list[_MicroBatch]
+    """As many on every rank; the ones past this rank's rows are padding."""
+    dp_scale: float
+    """W, the data-parallel world size: `(loss * dp_scale).backward()` cancels FSDP2's gradient average."""
+
+
+def plan_step(batch: TrainBatch, micro_batch_size: int, reducer: Reducer, device: torch.device) -> StepPlan:
+    """Stages 1-2: N (SUM over ranks, once, before any forward) and the micro-batches, as many on every rank
+    (MAX over ranks; a rank with fewer rows runs padding micro-batches)."""
+    valid = valid_token_mask(batch.loss_mask, batch.old_logprobs)
+    num_tokens = float(reducer.sum_(valid.sum().to(torch.float64).cpu().reshape(1)).item())
+    local_micro = math.ceil(batch.batch_size / micro_batch_size)
+    num_micro = int(reducer.max_(torch.tensor([local_micro], dtype=torch.float64)).item())
+    micro_batches = _micro_batches(batch, valid, micro_batch_size, num_micro, device)
+    return StepPlan(num_tokens, micro_batches, dp_scale=float(reducer.world_size))
+
+
 def _reduced_ess(sums: Tensor, reducer: Reducer) -> float:
     return ess_from_sums(reducer.sum_(sums.detach().to(torch.float64).cpu()))
+
+
+@dataclass(frozen=True)
+class EssScope:
+    """Stage 3, the one place that tells the `trainer.ess_scope`s apart: the ESS each micro-batch is trained
+    with, and the step's `loss/ess`. Build it with `EssScope.prepare`.
+
+    - `micro_batch`: the ESS of that micro-batch over all ranks (its sums SUM-reduced: one collective per
+      micro-batch and pass); `loss/ess` is the mean over the micro-batches.
+    - `step`: `step_ess` for every micro-batch, computed once by `prepare` from an extra no-grad forward over
+      all micro-batches; `loss/ess` is that value.
+    - `sequence`: a [B] tensor, each row's ESS over its own tokens (no collective); `loss/ess` is the rows'
+      ESS weighted by their valid tokens over all micro-batches and ranks, from two SUM metrics
+      (`_SEQ_ESS_*`).
+    """
+
+    scope: str
+    reducer: Reducer
+    max_log_ratio: float
+    step_ess: float | None = None
+
+    @classmethod
+    def prepare(
+        cls, scope: str, forward: PolicyForward, micro_batches: list[_MicroBatch], max_log_ratio: float,
+        reducer: Reducer,
+    ) -> EssScope:  # fmt: skip
+        """The scope, with `step`'s ESS from a no-grad pass over all micro-batches, before any backward."""
+        if scope != "step":
+            return cls(scope, reducer, max_log_ratio)
+        sums = torch.zeros(3, dtype=torch.float64)
+        with torch.no_grad():
+            for mb in micro_batches:
+                logprobs, _ = forward(mb)
+                ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, max_log_ratio)
+                sums += ess_partial_sums(ratio, mb.mask).cpu()
+        return cls(scope, reducer, max_log_ratio, step_ess=_reduced_ess(sums, reducer))
+
+    def micro_batch_ess(self, logprobs: Tensor, mb: _MicroBatch) -> tuple[float | Tensor, dict[str, Tensor]]:
+        """(the ESS to train `mb` with, a float or [B]; the SUM metrics it adds toward `loss/ess`)."""
+        if self.scope == "step":
+            assert self.step_ess is not None, "ess_scope=step needs EssScope.prepare's no-grad pass"
+            return self.step_ess, {}
+        ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, self.max_log_ratio)
+        if self.scope == "sequence":
+            ess = ess_per_sequence(ratio, mb.mask)
+            counts = mb.mask.sum(-1).to(torch.float64)
+            return ess, {_SEQ_ESS_SUM: (ess * counts).sum(), _SEQ_ESS_TOKENS: counts.sum()}
+        return _reduced_ess(ess_partial_sums(ratio, mb.mask), self.reducer), {}
+
+    def reported(self, reduced: dict[str, float], ess_values: list[float]) -> float:
+        """The step's `loss/ess`, from the reduced SUM metrics (whose `_SEQ_ESS_*` keys it pops) or the scalar
+        ESS of each micro-batch."""
+        if self.scope == "sequence":
+            weighted, count = reduced.pop(_SEQ_ESS_SUM), reduced.pop(_SEQ_ESS_TOKENS)
+            return weighted / count if count > 0 else 1.0
+        return sum(ess_values) / len(ess_values)
+
+
+@dataclass
+class PassResult:
+    """What one `forward_backward` pass leaves besides the gradients in .grad: this rank's sums, unreduced."""
+
+    local_loss: Tensor
+    """float64 sum of the micro-batch losses on this rank."""
+    sum_metrics: dict[str, Tensor] = field(default_factory=dict)
+    """SUM-reduced metrics (float64), `_SEQ_ESS_*` included."""
+    max_metrics: dict[str, Tensor] = field(default_factory=dict)
+    """MAX-reduced metrics (keys ending in `/max`)."""
+    ess_values: list[float] = field(default_factory=list)
+    """The scalar ESS of each micro-batch (none for the per-sequence scope)."""
+
+    def add(self, key: str, value: Tensor) -> None:
+        """Accumulate one micro-batch's metric: MAX for keys ending in `/max`, SUM for the rest."""
+        value = value.detach().to(torch.float64)
+        if key.endswith("/max"):
+            old = self.max_metrics.get(key)
+            self.max_metrics[key] = value if old is None else torch.maximum(old, value)
+        else:
+            old = self.sum_metrics.get(key)
+            self.sum_metrics[key] = value if old is None else old + value
+
+
+def forward_backward(
+    forward: PolicyForward, plan: StepPlan, objective: ObjectiveConfig, ess_scope: EssScope, part: LossPart
+) -> PassResult:
+    """Stage 4: per micro-batch, the forward, its ESS (`EssScope`), `policy_objective` holding `part` and
+    `(loss * dp_scale).backward()`; the gradients accumulate in .grad."""
+    device = plan.micro_batches[0].input_ids.device
+    result = PassResult(local_loss=torch.zeros((), dtype=torch.float64, device=device))
+    for mb in plan.micro_batches:
+        logprobs, entropy = forward(mb)
+        if objective.entropy_coef == 0:
+            entropy = entropy.detach()  # a metric only: no gradient path through it
+        ess, ess_sums = ess_scope.micro_batch_ess(logprobs, mb)
+        for key, value in ess_sums.items():
+            result.add(key, value)
+        loss, metrics = policy_objective(
+            logprobs,
+            mb.old_logprobs,
+            mb.advantages,
+            mb.mask,
+            objective,
+            num_tokens=plan.num_tokens,
+            ess=ess,
+            ref_logprobs=mb.ref_logprobs,
+            entropy=entropy,
+            part=part,
+        )
+        (loss * plan.dp_scale).backward()
+        result.local_loss += loss.detach().to(torch.float64)
+        if isinstance(ess, float):  # a scalar scope's; a per-sequence ESS went into the SUM metrics
+            result.ess_values.append(ess)
+        for key, value in metrics.items():
+            if key != "loss/ess":  # the step's loss/ess is EssScope.reported's
+                result.add(key, value)
+    return result
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[Tensor]:
+    """Read after a backward: under FSDP2 a no-grad forward (ess_scope=step) leaves the unsharded parameters
+    registered until the next backward reshards them."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def grad_diagnostics(
+    forward: PolicyForward, plan: StepPlan, objective: ObjectiveConfig, ess_scope: EssScope
+) -> dict[str, float]:
+    """Stage 5's diagnostics, before the training pass: the pre-clip norms of the policy term's gradient and
+    of the behaviour-KL term's alone, each from its own `forward_backward` pass; the gradients are dropped."""
+    diagnostics: dict[str, float] = {}
+    for part in ("policy", "behaviour_kl"):
+        forward_backward(forward, plan, objective, ess_scope, part)
+        norm = torch.nn.utils.clip_grad_norm_(trainable_parameters(forward.model), math.inf)
+        diagnostics[f"train/grad_norm/{part}"] = float(full_value(norm))
+        for param in trainable_parameters(forward.model):  # all, not only the optimizer's: nothing leaks
+            param.grad = None
+    return diagnostics
+
+
+def clip_and_guard(
+    model: torch.nn.Module, local_loss: Tensor, max_grad_norm: float, reducer: Reducer
+) -> tuple[float, bool, bool]:
+    """Stages 5-6: the pre-clip global gradient norm, clipped to `max_grad_norm` (0: no clipping); then the
+    non-finite guard, agreed by all ranks (MAX of a flag). Returns (grad_norm, clipped, skipped)."""
+    max_norm = max_grad_norm if max_grad_norm > 0 else math.inf
+    grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(trainable_parameters(model), max_norm)))
+    local_bad = not (math.isfinite(float(local_loss)) and math.isfinite(grad_norm))
+    skipped = float(reducer.max_(torch.tensor([float(local_bad)], dtype=torch.float64)).item()) > 0
+    return grad_norm, not skipped and grad_norm > max_norm, skipped
+
+
+def optimizer_step(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler | None, *, skipped: bool
+) -> float:
+    """Stage 7: step the optimizer and the scheduler unless `skipped`, then clear the gradients (always).
+    Returns the learning rate the step used."""
+    lr = float(optimizer.param_groups[0]["lr"])
+    if not skipped:
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
+
+
+def reduce_metrics(result: PassResult, ess_scope: EssScope, reducer: Reducer) -> dict[str, float]:
+    """The pass's metrics over micro-batches and ranks: SUM keys summed, `/max` keys maxed, and `loss/ess`."""
+    reduced: dict[str, float] = {}
+    sum_keys, max_keys = sorted(result.sum_metrics), sorted(result.max_metrics)
+    if sum_keys:
+        summed = reducer.sum_(torch.stack([result.sum_metrics[k] for k in sum_keys]).cpu())
+        reduced.update(zip(sum_keys, summed.tolist(), strict=True))
+    if max_keys:
+        maxed = reducer.max_(torch.stack([result.max_metrics[k] for k in max_keys]).cpu())
+        reduced.update(zip(max_keys, maxed.tolist(), strict=True))
+    reduced["loss/ess"] = ess_scope.reported(reduced, result.ess_values)
+    return reduced
 
 
 def train_step(
@@ -273,147 +500,21 @@ def train_step(
             "gradients would never be synchronised: wrap it with trainer.distributed.shard_model first"
         )
     device = next(model.parameters()).device
-
-    # (a) The global token count, once, before the micro-batch loop.
-    valid = valid_token_mask(batch.loss_mask, batch.old_logprobs)
-    num_tokens = float(reducer.sum_(valid.sum().to(torch.float64).cpu().reshape(1)).item())
-    local_micro = math.ceil(batch.batch_size / cfg.micro_batch_size)
-    num_micro = int(reducer.max_(torch.tensor([local_micro], dtype=torch.float64)).item())
-    micro_batches = _micro_batches(batch, valid, cfg.micro_batch_size, num_micro, device)
-
-    def forward(mb: _MicroBatch) -> tuple[Tensor, Tensor]:
-        if cfg.share_prompts:
-            logprobs, entropy = shared_prefix_token_logprobs(
-                model, mb.input_ids, mb.attention_mask, mb.mask, temperature=batch.temperature, with_entropy=True
-            )
-        else:
-            logprobs, entropy = token_logprobs(
-                model, mb.input_ids, mb.attention_mask, temperature=batch.temperature, with_entropy=True
-            )
-        assert entropy is not None
-        return logprobs, entropy
-
-    step_ess: float | None = None
-    if cfg.ess_scope == "step":
-        sums = torch.zeros(3, dtype=torch.float64)
-        with torch.no_grad():
-            for mb in micro_batches:
-                logprobs, _ = forward(mb)
-                ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
-                sums += ess_partial_sums(ratio, mb.mask).cpu()
-        step_ess = _reduced_ess(sums, reducer)
-
-    dp_scale = float(reducer.world_size)
-
-    def trainable() -> list[Tensor]:
-        # Read after a backward: under FSDP2 a no-grad forward (ess_scope=step) leaves the unsharded
-        # parameters registered until the next backward reshards them.
-        return [p for p in model.parameters() if p.requires_grad]
-
-    def backward_pass(part: LossPart) -> tuple[Tensor, dict[str, Tensor], dict[str, Tensor], list[float]]:
-        """Forward/backward of `part` per micro-batch; gradients accumulate in .grad. Local loss and metrics.
-
-        The ESS values: one per micro-batch (none for the per-sequence scope, whose Σ ESS_i·n_i and Σ n_i
-        travel with the SUM metrics instead, to become the token-weighted mean over all ranks).
-        """
-        sum_metrics: dict[str, Tensor] = {}
-        max_metrics: dict[str, Tensor] = {}
-        ess_values: list[float] = []
-        local_loss = torch.zeros((), dtype=torch.float64, device=device)
-        for mb in micro_batches:
-            logprobs, entropy = forward(mb)
-            if objective.entropy_coef == 0:
-                entropy = entropy.detach()  # a metric only: no gradient path through it
-            ess: float | Tensor
-            if step_ess is not None:
-                ess = step_ess
-            else:
-                ratio = importance_ratio(logprobs.detach(), mb.old_logprobs, mb.mask, objective.max_log_ratio)
-                if cfg.ess_scope == "sequence":
-                    ess = ess_per_sequence(ratio, mb.mask)
-                    counts = mb.mask.sum(-1).to(torch.float64)
-                    for key, value in ((_SEQ_ESS_SUM, (ess * counts).sum()), (_SEQ_ESS_TOKENS, counts.sum())):
-                        sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
-                else:
-                    ess = _reduced_ess(ess_partial_sums(ratio, mb.mask), reducer)
-            loss, metrics = policy_objective(
-                logprobs,
-                mb.old_logprobs,
-                mb.advantages,
-                mb.mask,
-                objective,
-                num_tokens=num_tokens,
-                ess=ess,
-                ref_logprobs=mb.ref_logprobs,
-                entropy=entropy,
-                part=part,
-            )
-            (loss * dp_scale).backward()
-            local_loss += loss.detach().to(torch.float64)
-            if isinstance(ess, float):
-                ess_values.append(ess)
-            for key, value in metrics.items():
-                if key == "loss/ess":
-                    continue
-                value = value.detach().to(torch.float64)
-                if key.endswith("/max"):
-                    max_metrics[key] = torch.maximum(max_metrics[key], value) if key in max_metrics else value
-                else:
-                    sum_metrics[key] = sum_metrics[key] + value if key in sum_metrics else value
-        return local_loss, sum_metrics, max_metrics, ess_values
-
-    # Diagnostics: the gradient of each term alone, measured and thrown away before the training pass.
-    diagnostics: dict[str, float] = {}
-    if diagnose:
-        for part in ("policy", "behaviour_kl"):
-            backward_pass(part)
-            norm = torch.nn.utils.clip_grad_norm_(trainable(), math.inf)
-            diagnostics[f"train/grad_norm/{part}"] = float(full_value(norm))
-            for param in trainable():  # every parameter, not only the optimizer's: nothing leaks into the step
-                param.grad = None
-
-    # (b) Forward/backward per micro-batch; gradients accumulate in .grad.
-    local_loss, sum_metrics, max_metrics, ess_values = backward_pass("all")
-
-    # (c) Pre-clip global gradient norm; clip.
-    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else math.inf
-    grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(trainable(), max_norm)))
-
-    # (d) Non-finite guard, agreed by all ranks.
-    local_bad = not (math.isfinite(float(local_loss)) and math.isfinite(grad_norm))
-    skipped = float(reducer.max_(torch.tensor([float(local_bad)], dtype=torch.float64)).item()) > 0
-
-    # (e) Update.
-    lr = float(optimizer.param_groups[0]["lr"])
-    if not skipped:
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-
-    result: dict[str, float] = {}
-    sum_keys, max_keys = sorted(sum_metrics), sorted(max_metrics)
-    if sum_keys:
-        summed = reducer.sum_(torch.stack([sum_metrics[k] for k in sum_keys]).cpu())
-        result.update(zip(sum_keys, summed.tolist(), strict=True))
-    if max_keys:
-        maxed = reducer.max_(torch.stack([max_metrics[k] for k in max_keys]).cpu())
-        result.update(zip(max_keys, maxed.tolist(), strict=True))
-    if cfg.ess_scope == "sequence":  # the token-weighted mean of the sequences' ESS over all ranks
-        weighted, count = result.pop(_SEQ_ESS_SUM), result.pop(_SEQ_ESS_TOKENS)
-        result["loss/ess"] = weighted / count if count > 0 else 1.0
-    else:
-        result["loss/ess"] = sum(ess_values) / len(ess_values)
-    result.update(
-        {
-            "train/grad_norm": grad_norm,
-            "train/clipped": float(not skipped and grad_norm > max_norm),
-            **diagnostics,
-            "train/lr": lr,
-            "train/num_tokens": num_tokens,
-            "train/micro_batches": float(num_micro),
-            "train/skipped": float(skipped),
-            "timing/train_step": time.perf_counter() - start_time,
-        }
-    )
-    return result
+    plan = plan_step(batch, cfg.micro_batch_size, reducer, device)
+    forward = PolicyForward(model, cfg.share_prompts, batch.temperature)
+    ess_scope = EssScope.prepare(cfg.ess_scope, forward, plan.micro_batches, objective.max_log_ratio, reducer)
+    diagnostics = grad_diagnostics(forward, plan, objective, ess_scope) if diagnose else {}
+    trained = forward_backward(forward, plan, objective, ess_scope, part="all")
+    grad_norm, clipped, skipped = clip_and_guard(model, trained.local_loss, cfg.max_grad_norm, reducer)
+    lr = optimizer_step(optimizer, scheduler, skipped=skipped)
+    return {
+        **reduce_metrics(trained, ess_scope, reducer),
+        "train/grad_norm": grad_norm,
+        "train/clipped": float(clipped),
+        **diagnostics,
+        "train/lr": lr,
+        "train/num_tokens": plan.num_tokens,
+        "train/micro_batches": float(len(plan.micro_batches)),
+        "train/skipped": float(skipped),
+        "timing/train_step": time.perf_counter() - start_time,
+    }

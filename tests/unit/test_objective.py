@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from trainer.objective import (
+    LOSSES,
     ObjectiveConfig,
     ess_from_sums,
     ess_partial_sums,
     ess_per_sequence,
     importance_ratio,
     policy_objective,
+    register_loss,
     valid_token_mask,
 )
 
@@ -376,8 +378,9 @@ def test_config_is_an_omegaconf_structured_config():
         OmegaConf.merge(schema, OmegaConf.from_dotlist(["name=ppo_clip", "clip_high=0.3"]))
     )
     assert cfg == ObjectiveConfig(name="ppo_clip", clip_high=0.3)
-    with pytest.raises(omegaconf.errors.ValidationError):
-        OmegaConf.merge(schema, OmegaConf.from_dotlist(["name=grpo"]))
+    # objective.name is any string to OmegaConf; __post_init__ checks it against the registry.
+    with pytest.raises(ValueError, match=r"objective.name='grpo'.*\['ess', 'ppo_clip', 'reinforce'\]"):
+        OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(["name=grpo"])))
     with pytest.raises(ValueError, match="objective.clip_low"):
         OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.from_dotlist(["clip_low=-1"])))
 
@@ -523,3 +526,37 @@ def test_loss_parts_add_up_to_the_objective(name):
         assert torch.equal(metrics["all"][key], metrics["policy"][key]), key
     with pytest.raises(ValueError, match="part="):
         policy_objective(logprobs, old, adv, mask, cfg, num_tokens=3, part="entropy")
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+
+def test_the_registry_holds_the_objectives_and_only_ess_has_the_trust_region_term():
+    assert list(LOSSES) == ["ess", "ppo_clip", "reinforce"]
+    assert {name: loss.behaviour_kl for name, loss in LOSSES.items()} == {
+        "ess": True, "ppo_clip": False, "reinforce": False,
+    }  # fmt: skip
+
+
+def test_a_registered_surrogate_is_a_usable_objective():
+    """A new surrogate is one pure function under @register_loss: the config accepts it, the objective runs it."""
+    logprobs, old, adv, mask = _example()
+    with pytest.raises(ValueError, match="objective.name='half_reinforce'"):
+        ObjectiveConfig(name="half_reinforce")
+
+    @register_loss("half_reinforce")
+    def half_reinforce(*, logprobs, ratio, advantages, ess, cfg):
+        return -0.5 * logprobs * advantages, torch.zeros_like(logprobs, dtype=torch.bool)
+
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            register_loss("half_reinforce")(half_reinforce)
+        cfg = ObjectiveConfig(name="half_reinforce")
+        loss, metrics = policy_objective(logprobs, old, adv, mask, cfg, num_tokens=3)
+        reinforce, _ = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(name="reinforce"), num_tokens=3)
+        assert loss.item() == pytest.approx(0.5 * reinforce.item())
+        assert metrics["loss/clipfrac"].item() == 0.0
+        kl_part, _ = policy_objective(logprobs, old, adv, mask, cfg, num_tokens=3, part="behaviour_kl")
+        assert torch.equal(_grad(kl_part, logprobs), torch.zeros_like(logprobs))  # no trust-region term
+    finally:
+        del LOSSES["half_reinforce"]
