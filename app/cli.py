@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -186,7 +187,10 @@ def serve(
     tracking_uri: TrackingUri = None,
     engine: Annotated[
         str,
-        typer.Option(help="auto (SGLang when CUDA and SGLang are there, else builtin) | builtin | sglang."),
+        typer.Option(
+            help="auto (SGLang when CUDA and SGLang are there, else embedded) | embedded (the built-in CPU "
+            "engine in this process; 'builtin' is its older name) | sglang (SGLang's own server, started here)."
+        ),
     ] = "auto",
     served_model_name: Annotated[
         str | None,
@@ -223,6 +227,8 @@ def serve(
     import torch
 
     from app.models import ModelRefError
+    from app.rollout.process import ServerStartError
+    from app.serving.server import ServedEngineExited
     from app.serving.server import serve as run_server
 
     torch.set_num_threads(threads)
@@ -243,37 +249,66 @@ def serve(
         )
     except (ModelRefError, ValueError, OSError) as exc:
         _fail(str(exc))
+    except (ServerStartError, ServedEngineExited) as exc:  # SGLang did not start, or stopped on its own
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
+
+
+EVAL_FLAGS = {
+    "--data": "data.eval",
+    "--k": "eval.k",
+    "--samples": "eval.samples_per_prompt",
+    "--num-prompts": "eval.num_prompts",
+    "--temperature": "eval.temperature",
+    "--top-p": "eval.top_p",
+    "--max-new-tokens": "eval.max_new_tokens",
+    "--seed": "eval.seed",
+    "--on-long-prompt": "data.on_long_prompt",
+    "--max-batch-size": "rollout.max_batch_size",
+    "--sglang-python": "rollout.sglang.launch.python",
+    "--tracking-uri": "tracking.uri",
+}
+"""The config key each `trustbatch eval` option sets (over --config): errors name the key, and the option."""
+DEFAULT_BUILTIN_PROMPTS = 500
+"""Prompts taken from a built-in task's test split when --num-prompts is not given."""
+
+
+def _flag_hints(message: str, flags: dict[str, str]) -> str:
+    """``message`` with the options that set the config keys it names."""
+    named = [f"{flag} sets {key}" for flag, key in flags.items() if key in message]
+    return f"{message} ({'; '.join(named)})" if named else message
 
 
 @app.command("eval")
 def eval_model(
     ref: ModelRef,
     data: Annotated[
-        str, typer.Option(help="Prompts: a .jsonl / .parquet file or builtin:<task>.")
+        str, typer.Option(help="Prompts: a .jsonl / .parquet file or builtin:<task> (data.eval).")
     ] = "builtin:arithmetic",
-    k: Annotated[int, typer.Option("--k", help="The k of pass@k.")] = 8,
+    k: Annotated[int, typer.Option("--k", help="The k of pass@k (eval.k).")] = 8,
     samples: Annotated[
-        int | None, typer.Option(help="Samples per prompt n >= k (default: k); more lowers the variance.")
+        int | None,
+        typer.Option(help="Samples per prompt n >= k (eval.samples_per_prompt; default: k); more lowers the variance."),
     ] = None,
     num_prompts: Annotated[
         int | None,
-        typer.Option(help="Use the first N prompts (default: the whole file; 500 of a built-in task)."),
+        typer.Option(help="Use the first N prompts (eval.num_prompts; default: the whole file, 500 of a built-in task)."),
     ] = None,
     temperature: Annotated[
         float | None,
-        typer.Option(help="Sampling temperature (default: rollout.temperature of --config, else 1.0)."),
+        typer.Option(help="Sampling temperature (eval.temperature; default: rollout.temperature of --config, else 1.0)."),
     ] = None,
     top_p: Annotated[
-        float | None, typer.Option(help="Nucleus mass (default: rollout.top_p, else 1.0).")
+        float | None, typer.Option(help="Nucleus mass (eval.top_p; default: rollout.top_p, else 1.0).")
     ] = None,
     max_new_tokens: Annotated[
         int | None,
         typer.Option(
-            help="Longest completion (default: rollout.max_new_tokens of --config, else 256 or what the longest "
-            "prompt leaves of the model's context)."
+            help="Longest completion (eval.max_new_tokens; default: rollout.max_new_tokens of --config, else 256 "
+            "or what the longest prompt leaves of the model's context)."
         ),
     ] = None,
-    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    seed: Annotated[int, typer.Option(help="Sampling seed (eval.seed).")] = 0,
     out: Annotated[
         Path | None, typer.Option(help="Write the results (every completion, scores) as JSON here.")
     ] = None,
@@ -284,101 +319,107 @@ def eval_model(
             help="A training config: its rewards, sandbox, data.<task>, rollout and tracking sections."
         ),
     ] = None,
-    max_batch_size: Annotated[int, typer.Option(help="Sequences decoded together.")] = 256,
+    max_batch_size: Annotated[
+        int, typer.Option(help="Sequences decoded together (rollout.max_batch_size).")
+    ] = 256,
     engine: Annotated[
         str,
         typer.Option(
             help="embedded (in process) | local (the built-in CPU server) | sglang (launches SGLang, or "
-            "connects to rollout.sglang.urls of --config)."
+            "connects to rollout.sglang.urls of --config) | auto (sglang with CUDA and SGLang, else embedded)."
         ),
     ] = "embedded",
     sglang_python: Annotated[
         str | None,
         typer.Option(
-            help="--engine sglang: interpreter of an environment with SGLang (default: rollout.sglang.launch."
-            "python of --config, else this one), e.g. .venv-sglang/bin/python."
+            help="--engine sglang: interpreter of an environment with SGLang (rollout.sglang.launch.python; "
+            "default: this one), e.g. .venv-sglang/bin/python."
         ),
     ] = None,
     on_long_prompt: Annotated[
         str | None,
         typer.Option(
             help="A prompt leaving fewer than --max-new-tokens positions in the model's context: error | "
-            "drop (default: data.on_long_prompt of --config, else error)."
+            "drop (data.on_long_prompt; default: that of --config, else error)."
         ),
     ] = None,
     track: Annotated[bool, typer.Option(help="Log the evaluation as a new MLflow run.")] = True,
     threads: Annotated[int, typer.Option(help="torch threads.")] = 1,
 ) -> None:
-    """Measure pass@1 and pass@k of a model on a prompt set (table, JSON, MLflow run)."""
-    from dataclasses import replace
+    """Measure pass@1 and pass@k of a model on a prompt set (table, JSON, MLflow run).
 
-    from app.data import DataConfig, DatasetError
-    from app.evaluation import EngineOptions, EvalSettings, results_table, run_evaluation
-    from app.models import ModelRefError
-    from app.rollout.sglang import SGLangError
-    from app.rollout.sglang_server import SGLangLaunchError
-
-    cfg = _load(config, []) if config is not None else None
+    Each option sets a key of the config (shown in its help) over --config, so an evaluation is described by
+    the same `eval` section as training's held-out evaluations."""
     if threads < 1:
         _fail(f"--threads {threads} must be >= 1")
+    builtin = data.startswith("builtin:")
+    given = {
+        "--data": data,
+        "--k": k,
+        "--samples": samples if samples is not None else k,
+        "--num-prompts": num_prompts,
+        "--temperature": temperature,
+        "--top-p": top_p,
+        "--max-new-tokens": max_new_tokens,
+        "--seed": seed,
+        "--on-long-prompt": on_long_prompt,
+        "--max-batch-size": max_batch_size,
+        "--sglang-python": sglang_python,
+        "--tracking-uri": tracking_uri,
+    }
+    # Strings as YAML double-quoted scalars (JSON is one): a path or URI is taken as it is.
+    overrides = [
+        f"{EVAL_FLAGS[flag]}={json.dumps(value) if isinstance(value, str) else value}"
+        for flag, value in given.items()
+        if value is not None
+    ]
+    overrides += ["eval.greedy=false"]  # `trustbatch eval` measures greedy accuracy with --temperature 0 --k 1
+    if num_prompts is None:
+        overrides.append("eval.num_prompts=null")  # the whole file, or the prompts generated below
+    if builtin:
+        overrides.append(f"data.num_eval={num_prompts or DEFAULT_BUILTIN_PROMPTS}")
+    from app.config import ConfigError, load_config
+    from app.engines import resolve_kind
+
     try:
-        settings = EvalSettings(
-            data=data,
-            k=k,
-            samples=samples,
-            num_prompts=num_prompts,
-            temperature=temperature if temperature is not None else (cfg.rollout.temperature if cfg else 1.0),
-            top_p=top_p if top_p is not None else (cfg.rollout.top_p if cfg else 1.0),
-            max_new_tokens=max_new_tokens
-            if max_new_tokens is not None
-            else (cfg.rollout.max_new_tokens if cfg else None),
-            seed=seed,
-            max_batch_size=max_batch_size,
-            engine=engine,
-        )
-    except ValueError as exc:
-        _fail(str(exc))
-    if on_long_prompt not in (None, "error", "drop"):
-        _fail(f"--on-long-prompt {on_long_prompt!r}: choose error or drop")
-    data_cfg = cfg.data if cfg else DataConfig()
-    if on_long_prompt is not None:
-        data_cfg = replace(data_cfg, on_long_prompt=on_long_prompt)
+        resolve_kind(engine, sglang_python=sglang_python)
+        cfg = load_config(config, overrides)
+    except (ConfigError, ValueError) as exc:
+        _fail(_flag_hints(str(exc), EVAL_FLAGS))
     _setup_logging()
     import torch
     from rich.console import Console
-    from rich.progress import Progress
+
+    from app.data import DatasetError
+    from app.evaluation.command import run_evaluation
+    from app.evaluation.report import results_table
+    from app.models import ModelRefError
+    from app.rollout.process import ServerStartError
+    from app.rollout.sglang import SGLangError
 
     torch.set_num_threads(threads)
-    uri = tracking_uri or (cfg.tracking.uri if cfg and cfg.tracking.uri else None) or _tracking_uri(None)
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("sampling", total=None)
-        try:
-            report = run_evaluation(
-                ref,
-                settings,
-                tracking_uri=uri,
-                rewards=cfg.rewards if cfg else None,
-                sandbox=cfg.sandbox if cfg else None,
-                data_cfg=data_cfg,
-                engine_options=EngineOptions(
-                    sglang=cfg.rollout.sglang if cfg else None, sglang_python=sglang_python
-                ),
-                experiment=cfg.tracking.experiment if cfg else "trustbatch",
-                out=out,
-                track=track,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
-        except (ModelRefError, DatasetError, ValueError, OSError) as exc:
-            _fail(str(exc))
-        except (SGLangError, SGLangLaunchError) as exc:  # a server that did not start or answer
-            typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
-            raise typer.Exit(code=1) from None
+    uri = cfg.tracking.uri or _tracking_uri(None)
+    try:
+        result = run_evaluation(
+            ref,
+            cfg,
+            tracking_uri=uri,
+            engine=engine,
+            fit_new_tokens=max_new_tokens is None and config is None,
+            out=out,
+            track=track,
+        )
+    except (ModelRefError, DatasetError, ValueError, OSError) as exc:
+        _fail(_flag_hints(str(exc), EVAL_FLAGS))
+    except (SGLangError, ServerStartError) as exc:  # a server that did not start or answer
+        typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(code=1) from None
     console = Console()
     if not console.is_terminal:
         console = Console(width=160)
-    console.print(results_table(report))
-    if report.mlflow_run_id:
-        typer.echo(f"MLflow run {report.mlflow_run_id} in {uri}")
+    console.print(results_table(result))
+    if result.mlflow_run_id:
+        typer.echo(f"MLflow run {result.mlflow_run_id} in {uri}")
     if out is not None:
         typer.echo(f"results: {out}")
 

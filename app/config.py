@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -21,9 +19,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
+from app.evaluation.config import EvalConfig
 from app.rollout.fleet import SupervisionConfig
 from app.rollout.sglang import SGLangClientConfig
 from app.sampling import bounded_int, temperature, top_p
+from app.tracking import TrackingConfig, check_name, default_tracking_uri, store_problem, writable_dir_problem
 from rewards import RewardsConfig
 from rewards.registry import PARAMS, check_params
 from sandbox import SandboxConfig
@@ -37,20 +37,6 @@ from trainer.step import TrainerConfig
 
 class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key, the value and the fix."""
-
-
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
-"""run.name and tracking.registered_model: a directory name under runs/ and a valid MLflow registered-model name
-(no '/', ':' or '..' path parts), so neither the run directory nor the model registration can fail or escape."""
-
-
-def _check_name(key: str, value: str) -> None:
-    if not NAME_PATTERN.fullmatch(value):
-        raise ValueError(
-            f"{key}={value!r} is not a valid name: use 1-100 letters, digits, '.', '_' or '-', starting with a "
-            f"letter or digit (it names the run directory under runs/ and the MLflow registered model), "
-            f"e.g. {key}={re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('.-_') or 'run'}"
-        )
 
 
 @dataclass
@@ -71,7 +57,7 @@ class RunConfig:
     excluded), then evaluate and checkpoint as after the last step; 0 = no limit (run.steps decides)."""
 
     def __post_init__(self) -> None:
-        _check_name("run.name", self.name)
+        check_name("run.name", self.name)
         if self.steps < 1:
             raise ValueError(f"run.steps must be >= 1, got {self.steps}")
         if self.threads < 1:
@@ -240,44 +226,6 @@ class RolloutConfig:
 
 
 @dataclass
-class EvalConfig:
-    every: int = 25
-    """Evaluate on the held-out split every N steps (and always before the first and after the last)."""
-    num_prompts: int = 500
-    """Held-out prompts per evaluation (from data.eval)."""
-    samples_per_prompt: int = 4
-    """Samples per prompt at the training temperature: sampled pass@1 averages all of them."""
-    greedy: bool = True
-    """Also report greedy (temperature 0) accuracy."""
-
-    def __post_init__(self) -> None:
-        if self.every < 0:
-            raise ValueError(f"eval.every must be >= 0 (0 = only before and after), got {self.every}")
-        if self.num_prompts < 1:
-            raise ValueError(f"eval.num_prompts must be >= 1, got {self.num_prompts}")
-        if self.samples_per_prompt < 1:
-            raise ValueError(f"eval.samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
-
-
-@dataclass
-class TrackingConfig:
-    uri: str = ""
-    """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else a SQLite store beside the run directory
-    (runs/mlflow.db, artifacts in runs/mlartifacts), shared by every run under runs/."""
-    experiment: str = "trustbatch"
-    """MLflow experiment name."""
-    log_model: bool = True
-    """Log every checkpoint's HF weights as run artifacts and register each as a new version of
-    tracking.registered_model (alias `best`; `latest` is MLflow's own name for the newest version)."""
-    registered_model: str = ""
-    """Name of the registered model that checkpoints become versions of. Empty: run.name."""
-
-    def __post_init__(self) -> None:
-        if self.registered_model:
-            _check_name("tracking.registered_model", self.registered_model)
-
-
-@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -309,7 +257,11 @@ class Config:
                 f"model.tiny.max_position_embeddings={self.model.tiny.max_position_embeddings}: "
                 "lower rollout.max_new_tokens or raise model.tiny.max_position_embeddings"
             )
-        if self.data.eval.startswith("builtin:") and self.eval.num_prompts > self.data.num_eval:
+        if (
+            self.data.eval.startswith("builtin:")
+            and self.eval.num_prompts is not None
+            and self.eval.num_prompts > self.data.num_eval
+        ):
             raise ValueError(
                 f"eval.num_prompts={self.eval.num_prompts} is more than the data.num_eval={self.data.num_eval} "
                 "held-out prompts generated for the built-in task: raise data.num_eval or lower eval.num_prompts"
@@ -382,8 +334,6 @@ def _check_trainable(config: Config) -> None:
             f"{key}={value!r}: the run directory {config.run.path} cannot be created or written ({problem}); "
             "set run.dir to a writable directory (e.g. run.dir=runs/my-run)"
         )
-    from app.tracking import default_tracking_uri, store_problem
-
     uri = config.tracking.uri or default_tracking_uri(config.run.path.parent)
     problem = store_problem(uri)
     if problem:
@@ -402,32 +352,6 @@ def _check_trainable(config: Config) -> None:
 def _looks_like_local_path(path: str) -> bool:
     """Not a hub id ("name" or "org/name"): absolute, dotted, home-relative or deeper."""
     return path.startswith(("/", ".", "~")) or path.count("/") > 1 or (os.sep != "/" and os.sep in path)
-
-
-def writable_dir_problem(path: Path) -> str | None:
-    """Why files cannot be created in directory `path` (created later if missing), or None.
-
-    Probes the directory itself, or its nearest existing ancestor, by creating and removing a file there: the
-    only check that holds for root and for filesystems such as /proc, where permission bits say writable.
-    """
-    path = Path(path).expanduser().absolute()
-    probe = path
-    try:
-        while not probe.exists():
-            if probe.parent == probe:
-                return f"no existing parent directory of {path}"
-            probe = probe.parent
-        if not probe.is_dir():
-            return f"{probe} is a file, not a directory"
-    except OSError as exc:  # stat refused (a directory this user cannot search)
-        return f"cannot look at {probe}: {exc.strerror or exc}"
-    try:
-        fd, name = tempfile.mkstemp(dir=probe, prefix=".trustbatch-write-test-")
-    except OSError as exc:
-        return f"cannot create files in {probe}: {exc.strerror or exc}"
-    os.close(fd)
-    os.unlink(name)
-    return None
 
 
 def _format_omegaconf_error(exc: OmegaConfBaseException) -> str:

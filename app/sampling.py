@@ -1,7 +1,7 @@
 """Every sampling value trustbatch takes, checked in one place (no fastapi, no torch: config code imports it).
 
 The same checks guard the engine's ``SamplingParams`` (app/rollout/base.py), the config's rollout section
-(app/config.py), `trustbatch eval`'s settings (app/evaluation.py) and both HTTP APIs of the built-in server (app/serving/): SGLang's native
+(app/config.py), the evaluation settings (app/evaluation/config.py) and both HTTP APIs of the built-in server (app/serving/): SGLang's native
 ``sampling_params`` and OpenAI's ``/v1`` fields. What they refuse:
 
 - numbers that are not finite: NaN, infinities and integers too large for a float (``1e999`` parses to inf);

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import os
+import re
+import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-
-from app.config import Config, TrackingConfig, flatten, to_yaml, writable_dir_problem
 
 # `import mlflow` takes 2-4 s: do it once, lazily, and only on the rank that tracks.
 _mlflow = None
@@ -28,6 +29,66 @@ def _import_mlflow():
 
         _mlflow = mlflow
     return _mlflow
+
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+"""run.name and tracking.registered_model: a directory name under runs/ and a valid MLflow registered-model name
+(no '/', ':' or '..' path parts), so neither the run directory nor the model registration can fail or escape."""
+
+
+def check_name(key: str, value: str) -> None:
+    if not NAME_PATTERN.fullmatch(value):
+        raise ValueError(
+            f"{key}={value!r} is not a valid name: use 1-100 letters, digits, '.', '_' or '-', starting with a "
+            f"letter or digit (it names the run directory under runs/ and the MLflow registered model), "
+            f"e.g. {key}={re.sub(r'[^A-Za-z0-9._-]+', '-', value).strip('.-_') or 'run'}"
+        )
+
+
+@dataclass
+class TrackingConfig:
+    """Where and how a run is tracked (config section ``tracking``)."""
+
+    uri: str = ""
+    """MLflow tracking URI. Empty: $MLFLOW_TRACKING_URI, else a SQLite store beside the run directory
+    (runs/mlflow.db, artifacts in runs/mlartifacts), shared by every run under runs/."""
+    experiment: str = "trustbatch"
+    """MLflow experiment name."""
+    log_model: bool = True
+    """Log every checkpoint's HF weights as run artifacts and register each as a new version of
+    tracking.registered_model (alias `best`; `latest` is MLflow's own name for the newest version)."""
+    registered_model: str = ""
+    """Name of the registered model that checkpoints become versions of. Empty: run.name."""
+
+    def __post_init__(self) -> None:
+        if self.registered_model:
+            check_name("tracking.registered_model", self.registered_model)
+
+
+def writable_dir_problem(path: Path) -> str | None:
+    """Why files cannot be created in directory `path` (created later if missing), or None.
+
+    Probes the directory itself, or its nearest existing ancestor, by creating and removing a file there: the
+    only check that holds for root and for filesystems such as /proc, where permission bits say writable.
+    """
+    path = Path(path).expanduser().absolute()
+    probe = path
+    try:
+        while not probe.exists():
+            if probe.parent == probe:
+                return f"no existing parent directory of {path}"
+            probe = probe.parent
+        if not probe.is_dir():
+            return f"{probe} is a file, not a directory"
+    except OSError as exc:  # stat refused (a directory this user cannot search)
+        return f"cannot look at {probe}: {exc.strerror or exc}"
+    try:
+        fd, name = tempfile.mkstemp(dir=probe, prefix=".trustbatch-write-test-")
+    except OSError as exc:
+        return f"cannot create files in {probe}: {exc.strerror or exc}"
+    os.close(fd)
+    os.unlink(name)
+    return None
 
 
 DEFAULT_RUNS_ROOT = Path("runs")
@@ -157,11 +218,13 @@ class Tracker:
         self.run_id = run.info.run_id
         self.artifact_uri = run.info.artifact_uri
 
-    def log_config(self, config: Config) -> None:
+    def log_config(self, params: dict[str, object], yaml_text: str) -> None:
+        """A new run's flattened config as params and its resolved YAML as ``config.yaml`` (a resumed run keeps
+        its own: MLflow params are immutable)."""
         if not self.enabled or self._resumed:
             return
-        self.log_params(flatten(config))
-        self.client.log_text(self.run_id, to_yaml(config), "config.yaml")
+        self.log_params(params)
+        self.client.log_text(self.run_id, yaml_text, "config.yaml")
 
     def log_params(self, params: dict[str, object]) -> None:
         """Params as strings (None as empty), each cut to MLflow's 6000 characters."""

@@ -58,7 +58,7 @@ def chat_prompts(model_dir: Path, count: int) -> tuple[list[list[int]], tuple[in
     from transformers import AutoTokenizer
 
     from app.data import DataConfig, load_split
-    from app.evaluation import stop_token_ids
+    from app.data.prepare import stop_token_ids
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rows = load_split(DataConfig(eval="builtin:word_problems", num_eval=count), "eval")[:count]

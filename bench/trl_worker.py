@@ -151,7 +151,7 @@ def load_model(path: Path):
     """The model in float32 (as trustbatch trains it) and its tokenizer; generation stops where trustbatch's does."""
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    # trustbatch stops at EOS and at the chat end-of-turn token (app/evaluation.py stop_token_ids). GRPOTrainer
+    # trustbatch stops at EOS and at the chat end-of-turn token (app/data/prepare.py stop_token_ids). GRPOTrainer
     # stops at the model's generation_config.eos_token_id plus the tokenizer's EOS, so declare both there.
     vocab = tokenizer.get_vocab()
     model.generation_config.eos_token_id = sorted(

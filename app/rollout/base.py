@@ -9,6 +9,7 @@ which one produced a completion. The field names follow SGLang's native ``/gener
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Protocol, runtime_checkable
@@ -68,7 +69,12 @@ class WeightSource:
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]: ...
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
+        """``params.n`` completions of every prompt, prompt-major; ``progress(k)`` (optional) is told each time
+        k more are done, from any thread."""
+        ...
 
     async def update_weights(self, source: WeightSource, version: int) -> None: ...
 

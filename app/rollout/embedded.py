@@ -134,8 +134,10 @@ class EmbeddedEngine:
 
     # ---- RolloutEngine protocol -------------------------------------------------------------------------
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        return await asyncio.to_thread(self.generate_sync, prompts, params)
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
+        return await asyncio.to_thread(self.generate_sync, prompts, params, progress=progress)
 
     async def update_weights(self, source: WeightSource, version: int) -> None:
         await asyncio.to_thread(self.update_weights_sync, source, version)
@@ -146,13 +148,18 @@ class EmbeddedEngine:
     # ---- synchronous core -------------------------------------------------------------------------------
 
     def generate_sync(
-        self, prompts: list[list[int]], params: SamplingParams, *, on_step: StepCallback | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        on_step: StepCallback | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         """Sample ``params.n`` completions per prompt; results are prompt-major (p0s0, p0s1, ..., p1s0, ...).
 
         ``on_step`` (optional) sees every sampled token as it is sampled and may end sequences early (see the
         module docstring); the sampling itself, and so the result for the same seed, does not depend on it
-        except for the sequences it ends.
+        except for the sequences it ends. ``progress(k)`` (optional) is told after each batch of k sequences.
         """
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
         sequences = [i for i in range(len(prompts)) for _ in range(params.n)]  # prompt-major
@@ -176,6 +183,8 @@ class EmbeddedEngine:
                         chunk_prompts, expand, params, stop_ids, generator, version, start, on_step
                     )
                 )
+                if progress is not None:
+                    progress(len(chunk))
         return completions
 
     def update_weights_sync(self, source: WeightSource, version: int) -> None:

@@ -207,10 +207,12 @@ class Fleet:
             await self._load(WeightSource(path=path), version)
         self.start_watchdog()
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
         """``engine.generate``, resubmitted after the fleet heals when servers fail (module docstring)."""
         with self.busy.busy():
-            return await self._survive(lambda: self.engine.generate(prompts, params), "generate")
+            return await self._survive(lambda: self.engine.generate(prompts, params, progress=progress), "generate")
 
     async def publish(self, model: torch.nn.Module, version: int) -> None:
         """Snapshot ``model``'s weights as policy ``version`` and push them to every engine in the background

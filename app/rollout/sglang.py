@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -225,8 +226,11 @@ class SGLangClient:
 
     # ---------------------------------------------------------------- generation
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample ``params.n`` completions of every prompt; prompt-major (p0s0, p0s1, ..., p1s0, ...)."""
+    async def generate(
+        self, prompts: list[list[int]], params: SamplingParams, *, progress: Callable[[int], None] | None = None
+    ) -> list[Completion]:
+        """Sample ``params.n`` completions of every prompt; prompt-major (p0s0, p0s1, ..., p1s0, ...).
+        ``progress(k)`` (optional) is told as each request's k completions arrive."""
         if not prompts:
             return []
         for i, prompt in enumerate(prompts):
@@ -245,6 +249,7 @@ class SGLangClient:
                     num_chunks=len(chunks),
                     start=i * size,
                     first_server=(first + i) % len(self.urls),
+                    progress=progress,
                 )
             )
             for i, chunk in enumerate(chunks)
@@ -268,6 +273,7 @@ class SGLangClient:
         num_chunks: int,
         start: int,
         first_server: int,
+        progress: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         sampling: dict[str, Any] = {
             "max_new_tokens": params.max_new_tokens,
@@ -284,7 +290,10 @@ class SGLangClient:
         url, payload = await self._call(
             "POST", "/generate", body, what=what, servers=self._rotation(first_server), limit=True
         )
-        return self._parse_generate(payload, chunk, params.n, url=url, what=what)
+        completions = self._parse_generate(payload, chunk, params.n, url=url, what=what)
+        if progress is not None:
+            progress(len(completions))
+        return completions
 
     def _parse_generate(
         self, payload: Any, chunk: list[list[int]], n: int, *, url: str, what: str

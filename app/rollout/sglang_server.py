@@ -25,7 +25,8 @@ about 15 GB and 49 s to allocate). GPU ids are then ignored.
 
 Not covered: multi-node servers (``--nnodes``), data parallelism inside one server (``--dp-size``; weight sync
 from distributed needs dp_size == 1, so run one server per replica, which is what ``num_servers`` does), and the
-router (start ``sglang_router.launch_router`` over the URLs yourself).
+router (start ``sglang_router.launch_router`` over the URLs yourself). Which servers start, and when, is chosen
+in app/engines.py (`open_engine`); this module only knows how to start them.
 """
 
 from __future__ import annotations
@@ -74,7 +75,10 @@ class SGLangLaunchConfig:
     max_total_tokens: int | None = None
     """KV-cache size in tokens (--max-total-tokens). None = SGLang's default on GPU, 4096 with cpu=true."""
     skip_tokenizer_init: bool = True
-    """--skip-tokenizer-init: token ids in and out (all trustbatch sends); text requests are then refused."""
+    """--skip-tokenizer-init: token ids in and out (all trustbatch sends); text requests are then refused.
+    `trustbatch serve` turns it off: its clients send text."""
+    served_model_name: str = ""
+    """--served-model-name: the model name OpenAI clients send; empty: SGLang's default (the model path)."""
     random_seed: int | None = None
     """--random-seed of server i is random_seed + i; None = SGLang picks one."""
     extra_args: list[str] = field(default_factory=list)
@@ -125,12 +129,12 @@ class SGLangLaunchConfig:
         if not all(isinstance(arg, str) for arg in self.extra_args):
             raise ValueError(f"{key}.extra_args must be a list of strings, got {self.extra_args!r}")
         managed = {"--model-path", "--model", "--port", "--host", "--tp-size", "--tp", "--weight-version",
-                   "--base-gpu-id", "--device"}  # fmt: skip
+                   "--base-gpu-id", "--device", "--served-model-name"}  # fmt: skip
         clash = sorted(managed & {arg.split("=", 1)[0] for arg in self.extra_args})
         if clash:
             raise ValueError(
                 f"{key}.extra_args sets {clash}, which the launcher sets itself; use the config fields "
-                "(host, base_port, tp_size, base_gpu_id / gpu_ids, cpu) instead"
+                "(host, base_port, tp_size, base_gpu_id / gpu_ids, cpu, served_model_name) instead"
             )
         if self.startup_timeout_s <= 0:
             raise ValueError(f"{key}.startup_timeout_s must be > 0 seconds, got {self.startup_timeout_s}")
@@ -209,6 +213,8 @@ class SGLangServerProcess(ServerProcess):
             args += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
         if cfg.skip_tokenizer_init:
             args.append("--skip-tokenizer-init")
+        if cfg.served_model_name:
+            args += ["--served-model-name", cfg.served_model_name]
         if cfg.random_seed is not None:
             args += ["--random-seed", str(cfg.random_seed + self.index)]
         return args + list(cfg.extra_args)

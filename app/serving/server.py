@@ -1,18 +1,20 @@
-"""Starting the built-in server: a model directory -> engine + tokenizer -> app -> uvicorn, and ``serve``.
+"""Starting a server: a model directory -> engine + tokenizer -> app -> uvicorn, and ``serve``.
 
 Two commands start it (app/cli.py): ``trustbatch rollout-server --model DIR`` serves SGLang's native API
-(app/serving/native.py) for a training run's rollouts (app/rollout/process.py starts it as a child process, the
-rollout side speaks to it only over HTTP); ``trustbatch serve REF`` serves a model reference behind the OpenAI
-API (app/serving/openai.py, the native routes included).
+(app/serving/native.py) for a training run's rollouts (app/engines.py starts it as a child process for the
+``local`` engine; the rollout side speaks to it only over HTTP); ``trustbatch serve REF`` serves a model
+reference behind the OpenAI API (app/serving/openai.py, the native routes included).
 
 ``serve`` resolves the reference (``models:/NAME@ALIAS``, ``models:/NAME/VERSION``, ``runs:/RUN_ID/PATH`` or a
-directory; app/models.py) to a local Hugging Face directory, then starts one of two engines:
-- **SGLang** (``--engine sglang``, or ``auto`` when CUDA is available and SGLang is installed, as in the Docker
-  image): this process is replaced by ``python -m sglang.launch_server --model-path DIR --host H --port P
-  --served-model-name NAME [--sglang-args ...]``, SGLang's own OpenAI-compatible server. ``--sglang-python``
-  picks the interpreter of another environment (SGLang pins its own torch). Tested on CPU against SGLang's CPU
-  platform (``.venv-sglang``), not on a GPU.
-- **built-in** (otherwise): the OpenAI app on the CPU engine.
+directory; app/models.py) to a local Hugging Face directory, then opens an engine through app/engines.py
+(`open_engine`, the one place engines are chosen and started):
+- **sglang** (``--engine sglang``, or ``auto`` when CUDA is available and SGLang can be run, as in the Docker
+  image): SGLang's own OpenAI-compatible server, ``python -m sglang.launch_server`` with ``--served-model-name``,
+  as a child process of this one (on CPU with SGLang's CPU platform when CUDA is absent). ``serve`` announces it
+  once it answers /health, writes its output to a log file, and stops it on Ctrl-C or SIGTERM; if it exits,
+  ``serve`` exits with its log tail. ``--sglang-python`` picks the interpreter of another environment (SGLang
+  pins its own torch); ``--sglang-args`` are passed through (``--tp N`` sets the tensor-parallel size).
+- **embedded** (``builtin`` is its older name): the OpenAI app on the built-in CPU engine, in this process.
 
 The model's name is the reference without its scheme (``models:/quickstart@best`` is served as
 ``quickstart@best``: SGLang refuses a colon in a served model name) unless ``--served-model-name`` says
@@ -22,18 +24,20 @@ otherwise; the built-in engine also accepts the reference as typed.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
-import os
 import shlex
-import sys
+import signal
+import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
 
 from fastapi import FastAPI
 
-from app.rollout.embedded import EmbeddedEngine
+from app.engines import EngineOptions, open_engine, resolve_kind
+from app.rollout.process import ServerProcess
+from app.rollout.sglang import SGLangClientConfig
+from app.rollout.sglang_server import SGLangLaunchConfig
 from app.serving.native import create_app
 from app.serving.openai import create_openai_app
 from app.serving.requests import DEFAULT_MAX_BODY_BYTES
@@ -41,7 +45,10 @@ from app.serving.requests import DEFAULT_MAX_BODY_BYTES
 logger = logging.getLogger(__name__)
 
 DEFAULT_PORT = 8000
-EngineChoice = Literal["auto", "builtin", "sglang"]
+
+
+class ServedEngineExited(RuntimeError):
+    """The SGLang server that `serve` started exited on its own (its log tail is in the message)."""
 
 
 def load(model_dir: Path, *, max_batch_size: int, tokenizer_required: bool = True):
@@ -49,7 +56,8 @@ def load(model_dir: Path, *, max_batch_size: int, tokenizer_required: bool = Tru
     no loadable tokenizer gives None (text input is then refused and output text is empty)."""
     from transformers import AutoTokenizer
 
-    engine = EmbeddedEngine.from_pretrained(model_dir, max_batch_size=max_batch_size)
+    with open_engine("embedded", model_dir, EngineOptions(max_batch_size=max_batch_size)) as opened:
+        engine = opened.engine  # in process: nothing to stop
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError):
@@ -128,57 +136,46 @@ def served_name(ref: str) -> str:
     return ref
 
 
-def choose_engine(
-    requested: EngineChoice, *, sglang_python: str | None = None
-) -> Literal["builtin", "sglang"]:
-    """``auto``: SGLang when CUDA is available and SGLang is installed, else the built-in CPU engine.
-
-    ``sglang_python``: the interpreter of another environment that has SGLang (it pins its own torch); it is
-    trusted to have it, and makes ``auto`` choose SGLang when CUDA is available.
-    """
-    if requested not in ("auto", "builtin", "sglang"):
-        raise ValueError(f"--engine {requested!r}: choose auto, builtin or sglang")
-    if requested == "builtin":
-        return "builtin"
-    if sglang_python is not None and not Path(sglang_python).is_file():
-        raise ValueError(
-            f"--sglang-python {sglang_python!r} does not exist; give the interpreter of an environment with "
-            "SGLang installed (e.g. .venv-sglang/bin/python)"
-        )
-    has_sglang = sglang_python is not None or importlib.util.find_spec("sglang") is not None
-    if requested == "sglang":
-        if not has_sglang:
-            raise ValueError(
-                "--engine sglang: SGLang is not installed in this environment; install the GPU extra "
-                "(pip install 'trustbatch[gpu]', as the Docker image does), point --sglang-python at an "
-                "environment that has it, or use --engine builtin"
-            )
-        return "sglang"
-    import torch
-
-    if torch.cuda.is_available():
-        if has_sglang:
-            return "sglang"
-        logger.warning(
-            "CUDA is available but SGLang is not installed: serving with the built-in CPU engine; "
-            "install trustbatch[gpu] to serve with SGLang"
-        )
-    return "builtin"
+def sglang_launch(
+    *, host: str, port: int, served_model_name: str, extra_args: str = "", python: str | None = None
+) -> SGLangLaunchConfig:
+    """How `serve` launches SGLang's OpenAI server: one server on ``host:port`` with its own tokenizer (clients
+    send text), ``--sglang-args`` passed through, of which ``--tp N`` / ``--tp-size N`` sets the
+    tensor-parallel size (the launcher sets that flag itself)."""
+    args, tp_size = shlex.split(extra_args), 1
+    for flag in ("--tp", "--tp-size"):
+        for i, arg in enumerate(args):
+            if arg == flag and i + 1 < len(args):
+                tp_size = int(args[i + 1])
+                del args[i : i + 2]
+                break
+            if arg.startswith(flag + "="):
+                tp_size = int(arg.split("=", 1)[1])
+                del args[i]
+                break
+    return SGLangLaunchConfig(
+        python=python or "python", host=host, base_port=port, tp_size=tp_size, skip_tokenizer_init=False,
+        served_model_name=served_model_name, extra_args=args,
+    )  # fmt: skip
 
 
-def sglang_command(
-    model_dir: Path,
-    *,
-    host: str,
-    port: int,
-    served_model_name: str,
-    extra_args: str = "",
-    python: str | None = None,
-) -> list[str]:
-    """The SGLang launch command (SGLang's own OpenAI-compatible server on ``host:port``)."""
-    model = ["--model-path", str(model_dir), "--host", host, "--port", str(port)]
-    return [python or sys.executable, "-m", "sglang.launch_server", *model, "--served-model-name",
-            served_model_name, *shlex.split(extra_args)]  # fmt: skip
+def _run_until_stopped(server: ServerProcess) -> None:
+    """Wait while ``server`` runs; Ctrl-C or SIGTERM stops it (open_engine's exit), an exit of its own is an error."""
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        while (code := server.exited()) is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    raise ServedEngineExited(
+        f"the SGLang server exited with code {code}; log {server.log_path}:\n{server.log_tail()}"
+    )
 
 
 def serve(
@@ -187,7 +184,7 @@ def serve(
     tracking_uri: str,
     host: str = "127.0.0.1",
     port: int = DEFAULT_PORT,
-    engine: EngineChoice = "auto",
+    engine: str = "auto",
     served_model_name: str | None = None,
     max_batch_size: int = 256,
     batch_window_ms: float = 5.0,
@@ -196,7 +193,7 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     announce: Callable[[str], None] = print,
 ) -> None:
-    """``trustbatch serve``: resolve ``ref`` and serve it until interrupted (SGLang replaces this process).
+    """``trustbatch serve``: resolve ``ref`` and serve it until interrupted.
 
     Raises ModelRefError / ValueError for a reference or an option that cannot work, before anything starts.
     """
@@ -210,28 +207,36 @@ def serve(
         raise ValueError(f"--batch-window-ms {batch_window_ms} must be >= 0")
     if max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes {max_body_bytes} must be >= 1")
-    kind = choose_engine(engine, sglang_python=sglang_python)
+    kind = resolve_kind(engine, sglang_python=sglang_python)
+    if kind == "local":
+        raise ValueError(
+            "--engine local is the built-in engine as a rollout server for training and eval; serve runs the "
+            "built-in engine in its own process: use --engine embedded (or auto)"
+        )
+    name = served_model_name or served_name(ref)
+    if kind == "sglang" and ":" in name:
+        raise ValueError(
+            f"the served model name {name!r} has a colon, which SGLang refuses (it means model:adapter); "
+            "pass --served-model-name NAME"
+        )
+    launch = None
+    if kind == "sglang":  # checked before the model is fetched: a bad --sglang-args fails at once
+        launch = sglang_launch(
+            host=host, port=port, served_model_name=name, extra_args=sglang_args, python=sglang_python
+        )
     source = lookup(ref, tracking_uri=tracking_uri)
     model_dir = fetch(source, tracking_uri=tracking_uri)
-    name = served_model_name or served_name(ref)
     announce(f"model: {source.label} -> {model_dir}")
-    if kind == "sglang":
-        if ":" in name:
-            raise ValueError(
-                f"the served model name {name!r} has a colon, which SGLang refuses (it means model:adapter); "
-                "pass --served-model-name NAME"
-            )
-        command = sglang_command(
-            model_dir,
-            host=host,
-            port=port,
-            served_model_name=name,
-            extra_args=sglang_args,
-            python=sglang_python,
-        )
-        announce(f"engine: SGLang ({shlex.join(command)})")
-        sys.stdout.flush()
-        os.execv(command[0], command)  # SGLang's server takes over this process (signals, exit code)
+    if launch is not None:
+        log_dir = Path(tempfile.mkdtemp(prefix="trustbatch-serve-"))
+        announce(f"engine: SGLang, starting (log in {log_dir})")
+        options = EngineOptions(sglang=SGLangClientConfig(launch=launch), log_dir=log_dir)
+        with open_engine("sglang", model_dir, options) as opened:
+            server = opened.servers[0]
+            announce(f"engine: SGLang ({shlex.join(server.command())})")
+            announce(f"OpenAI API at http://{host}:{port}/v1 as model {name!r}")
+            _run_until_stopped(server)
+        return
     app = build_app(
         model_dir,
         model_name=name,

@@ -1,2 +1,2 @@
-"""The training run: the loop (loop.py), what it drives (runtime.py), the lag bound (buffer.py) and what
-it records (records.py)."""
+"""The training run: the loop (loop.py), what it drives (setup.py, built once; resume.py, where it starts), the
+lag bound (buffer.py, lag.py) and what it records (records.py)."""

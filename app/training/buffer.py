@@ -4,7 +4,7 @@ Policy versions count optimizer steps: the initial weights are version 0 and the
 version s. Rollouts are issued in *tickets*, one per optimizer step (ticket t carries the prompts that step t
 is meant to train on). The lag of a sample trained at step t is (t - 1) - (the version that generated it).
 
-Two objects enforce the bound ``max_lag`` (the data flow in README.md, "Asynchronous rollouts"):
+Two objects enforce the bound ``max_lag`` (docs/async.md):
 
 - ``PolicyClock``: the newest version every rollout engine has loaded. Ticket t may start generating only once
   the engines hold version ``t - 1 - max_lag`` or newer (``ticket_gate``), so no ticket is issued that would be

@@ -39,8 +39,19 @@ from app.scoring import score_texts
 from app.training.batching import build_train_batch
 from app.training.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
 from app.training.lag import LagBound
-from app.training.records import Group, History, Ticket, Utilisation, checkpoint, finish, rate, step_metrics
-from app.training.runtime import Evaluator, Parts, PromptSampler, completions_version, find_resume, setup
+from app.training.records import (
+    Group,
+    History,
+    Ticket,
+    Utilisation,
+    checkpoint,
+    checkpoint_state,
+    finish,
+    rate,
+    step_metrics,
+)  # fmt: skip
+from app.training.resume import find_resume
+from app.training.setup import Parts, PromptSampler, setup
 from trainer.advantages import group_advantages, informative_groups
 from trainer.step import TrainBatch, train_step
 
@@ -55,7 +66,7 @@ def run(cfg: Config) -> dict:
         cfg = replace(cfg, run=replace(cfg.run, dir=str(resume.run_dir)))
     p = setup(cfg, resume)
     try:
-        return asyncio.run(train(cfg, p, t_start))
+        return asyncio.run(train(p, t_start))
     except BaseException:
         p.tracker.finish("FAILED")  # a resumed run sets it RUNNING again
         raise
@@ -63,8 +74,8 @@ def run(cfg: Config) -> dict:
         p.close()
 
 
-async def train(cfg: Config, p: Parts, t_start: float) -> dict:
-    r, start = cfg.rollout, p.resume.step
+async def train(p: Parts, t_start: float) -> dict:
+    cfg, r, start = p.cfg, p.cfg.rollout, p.resume.step
     per_rank = len(range(p.dist.rank, r.prompts_per_step, p.dist.world_size))
     clock = PolicyClock(start)
     buffer: StalenessBuffer[Group] = StalenessBuffer(r.lag_limit, capacity=(r.lag_limit + 1) * max(per_rank, 1))
@@ -73,16 +84,18 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
         start=p.resume.state.get("max_lag_in_force", 0),
     )  # fmt: skip
     generated = Watermark(start)
-    evaluator = Evaluator(cfg, p)
-    history = History(p, resumed_at=start)
+    history = History(
+        cfg.run.path, p.tracker, p.reducer, is_main=p.dist.is_main, time_limit_s=cfg.run.time_limit_s,
+        resumed_at=start, counters=p.resume.state.get("counters"),
+    )  # fmt: skip
     loop = asyncio.get_running_loop()
 
-    def generate_blocking(prompts, params):  # for evaluation, which runs in a worker thread
-        return asyncio.run_coroutine_threadsafe(p.fleet.generate(prompts, params), loop).result()
+    def generate_blocking(prompts, params, progress):  # for evaluation, which runs in a worker thread
+        return asyncio.run_coroutine_threadsafe(p.fleet.generate(prompts, params, progress=progress), loop).result()
 
     async def evaluate(step: int) -> dict[str, float]:
         await p.fleet.flush()  # the engines hold the weights of `step`
-        return await asyncio.to_thread(evaluator, step, generate_blocking)
+        return await asyncio.to_thread(p.held_out, step, generate_blocking)
 
     producer: asyncio.Task | None = None
     try:
@@ -105,7 +118,7 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
             disable=not p.dist.is_main,
             dynamic_ncols=True,
         )
-        meter = Utilisation(p)
+        meter = Utilisation(p.fleet)
         last = start
         for step in bar:
             metrics = await train_one_step(p, buffer, step, per_rank)
@@ -121,11 +134,14 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
             if evaluated:
                 await evaluate(step)
             if final or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                await checkpoint(p, evaluator, history, step, evaluated=evaluated, lag_in_force=lag.value)
+                state = checkpoint_state(
+                    cfg, p.tracker, p.held_out, history, step, evaluated=evaluated, lag_in_force=lag.value
+                )
+                await checkpoint(cfg, p.policy, p.tracker, p.dist, state)
             meter.restart()  # evaluation and checkpointing are not part of the next step's wall time
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}",
-                acc=f"{100 * evaluator.history[-1]['eval/accuracy']:.1f}",
+                acc=f"{100 * p.held_out.history[-1]['eval/accuracy']:.1f}",
                 ess=f"{metrics['loss/ess']:.3f}",
                 lag=f"{metrics['rollout/policy_lag/mean']:.1f}",
                 sps=rate(metrics["throughput/samples_per_s"]),
@@ -139,7 +155,10 @@ async def train(cfg: Config, p: Parts, t_start: float) -> dict:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
         await p.fleet.close()  # a push still in flight is cancelled
-    return finish(p, evaluator, history, last, wall_s=time.perf_counter() - t_start)
+    return finish(
+        cfg, p.held_out, history, last, wall_s=time.perf_counter() - t_start, tracker=p.tracker, fleet=p.fleet,
+        dist=p.dist, model_dir=p.policy.model_dir, resumed_from=start,
+    )  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- produce
@@ -180,7 +199,7 @@ async def produce(
             while generated.value + 1 in finished:  # the watermark: every ticket up to it has generated
                 await generated.advance(generated.value + 1)
             rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
-            texts = [p.decode(c.output_ids) for c in completions]
+            texts = [p.text.decode(c.output_ids) for c in completions]
             scores, scoring = await asyncio.to_thread(score_texts, p.runner, rows, texts)
             n, record = p.sampling.n, Ticket(ticket, scoring, lag_bound=bound)
             groups = [
@@ -189,7 +208,7 @@ async def produce(
             ]
             if turn is not None:
                 await turn  # queue after the previous ticket, so the trainer sees tickets in order
-            await buffer.put([Versioned(g, completions_version(g.completions)) for g in groups])
+            await buffer.put([Versioned(g, g.version) for g in groups])
             mine.set_result(None)
         except asyncio.CancelledError:
             raise
@@ -229,15 +248,18 @@ async def train_one_step(
     batch, rewards, stats = to_train_batch(p, groups)
     every = cfg.trainer.grad_diagnostics_every
     trained = await asyncio.to_thread(
-        train_step, p.model, p.optimizer, batch, cfg.objective, p.reducer, cfg.trainer,
-        scheduler=p.scheduler, diagnose=bool(every and step % every == 0),
+        train_step, p.policy.model, p.policy.optimizer, batch, cfg.objective, p.reducer, cfg.trainer,
+        scheduler=p.policy.scheduler, diagnose=bool(every and step % every == 0),
     )
     t2 = time.perf_counter()
-    await p.fleet.publish(p.model, step)  # the push to the engines goes on in the background
+    await p.fleet.publish(p.policy.model, step)  # the push to the engines goes on in the background
     t3 = time.perf_counter()
     metrics = {
         "step": step,
-        **step_metrics(p, groups, [step - 1 - item.version for item in taken], rewards, stats, batch),
+        **step_metrics(
+            groups, [step - 1 - item.version for item in taken], rewards, stats, batch,
+            reducer=p.reducer, lag_limit=cfg.rollout.lag_limit,
+        ),  # fmt: skip
         **trained,
         "buffer/dropped_groups": float(buffer.stats.dropped),
         "buffer/size": float(len(buffer)),
@@ -261,7 +283,7 @@ def to_train_batch(p: Parts, groups: list[Group]) -> tuple[TrainBatch, torch.Ten
     batch = build_train_batch(
         [c for g in keep for c in groups[g].completions],
         advantages[keep].flatten().tolist(),
-        pad_id=p.tokenizer.pad_token_id,
+        pad_id=p.text.tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,
     )
     return batch, rewards, stats

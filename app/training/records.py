@@ -15,18 +15,24 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from app.config import to_yaml
-from app.evaluation import paired_gain
+from app.config import Config, to_yaml
+from app.evaluation.held_out import HeldOut
+from app.evaluation.metrics import paired_gain
 from app.rollout.base import Completion
+from app.rollout.fleet import Fleet
+from app.tracking import Tracker
 from app.training.plots import plot_run
-from app.training.runtime import Evaluator, Parts
 from rewards import Score
 from trainer.checkpoint import list_checkpoints, prune_checkpoints, save_checkpoint, step_dir
-from trainer.distributed import barrier
+from trainer.distributed import DistInfo, Reducer, barrier
 from trainer.step import TrainBatch
+
+if TYPE_CHECKING:
+    from app.training.setup import Policy
 
 log = logging.getLogger("trustbatch")
 
@@ -50,12 +56,24 @@ class Group:
     completions: list[Completion]
     scores: list[Score]
 
+    @property
+    def version(self) -> int:
+        """The policy version of the group: its oldest completion's (a staleness bound must not be too lenient)."""
+        return min(c.policy_version for c in self.completions)
+
 
 # ---------------------------------------------------------------------------------------------- step metrics
 
 
 def step_metrics(
-    p: Parts, groups: list[Group], lags: list[int], rewards: torch.Tensor, stats: dict, batch: TrainBatch
+    groups: list[Group],
+    lags: list[int],
+    rewards: torch.Tensor,
+    stats: dict,
+    batch: TrainBatch,
+    *,
+    reducer: Reducer,
+    lag_limit: int,
 ) -> dict[str, float]:
     """Statistics of the groups a step trained on, summed over ranks, so every number is global.
 
@@ -65,11 +83,10 @@ def step_metrics(
     """
     completions = [c for g in groups for c in g.completions]
     scores = [s for g in groups for s in g.scores]
-    max_lag = p.cfg.rollout.lag_limit
-    lag_max, issued_under = p.reducer.max_(
+    lag_max, issued_under = reducer.max_(
         torch.tensor([max(lags), max(g.ticket.lag_bound for g in groups)], dtype=torch.float64)
     ).tolist()
-    histogram = [float(sum(lag == k for lag in lags)) for k in range(max_lag + 1)]
+    histogram = [float(sum(lag == k for lag in lags)) for k in range(lag_limit + 1)]
     sums = torch.tensor(
         [
             float(rewards.sum()),
@@ -85,7 +102,7 @@ def step_metrics(
         ],
         dtype=torch.float64,
     )
-    reward, correct, n, length, zero_var, truncated, trained, lag, num_groups, *hist = p.reducer.sum_(
+    reward, correct, n, length, zero_var, truncated, trained, lag, num_groups, *hist = reducer.sum_(
         sums
     ).tolist()
     tickets = {g.ticket.number: g.ticket.scoring for g in groups}
@@ -110,20 +127,20 @@ class Utilisation:
     """Each step's wall time (from the end of the previous one, evaluation and checkpointing excluded), and
     the fraction of it that rollouts were generating and that the trainer was training."""
 
-    def __init__(self, p: Parts):
-        self.p = p
+    def __init__(self, fleet: Fleet):
+        self.fleet = fleet
         self.restart()
 
     def restart(self) -> None:
-        self.t0, self.busy0 = time.perf_counter(), self.p.fleet.busy.read()
+        self.t0, self.busy0 = time.perf_counter(), self.fleet.busy.read()
 
     def read(self, train_s: float, samples: float) -> dict[str, float]:
         wall = max(time.perf_counter() - self.t0, 1e-9)
         out = {
-            "rollout/utilisation": (self.p.fleet.busy.read() - self.busy0) / wall,
+            "rollout/utilisation": (self.fleet.busy.read() - self.busy0) / wall,
             "train/utilisation": train_s / wall,
-            "rollout/server_restarts": float(self.p.fleet.restarts),
-            "rollout/resubmits": float(self.p.fleet.resubmits),
+            "rollout/server_restarts": float(self.fleet.restarts),
+            "rollout/resubmits": float(self.fleet.resubmits),
             "timing/step": wall,
             "throughput/samples_per_s": samples / wall,
         }
@@ -138,35 +155,43 @@ class History:
     """The per-step metrics of the run: kept in memory for the summary and plot, appended to
     `metrics.jsonl`, logged to MLflow, and replayed from the file when a run resumes."""
 
-    def __init__(self, p: Parts, resumed_at: int):
-        self.p, self.path = p, p.cfg.run.path / "metrics.jsonl"
+    def __init__(
+        self,
+        run_dir: Path,
+        tracker: Tracker,
+        reducer: Reducer,
+        *,
+        is_main: bool,
+        time_limit_s: float,
+        resumed_at: int,
+        counters: dict[str, float] | None = None,
+    ):
+        self.path, self.tracker, self.reducer = run_dir / "metrics.jsonl", tracker, reducer
+        self.is_main, self.time_limit_s = is_main, time_limit_s
         self.rows: list[dict[str, float]] = self._replay(resumed_at) if resumed_at else []
-        self.counters: dict[str, float] = p.resume.state.get(
-            "counters", {"train_wall_s": 0.0, "samples": 0.0}
-        )
+        self.counters: dict[str, float] = counters or {"train_wall_s": 0.0, "samples": 0.0}
         """Run totals over every step, resumed ones included: what `samples_per_s` is computed from."""
 
     def add(self, step: int, metrics: dict[str, float]) -> None:
         self.counters["train_wall_s"] += metrics["timing/step"]
         self.counters["samples"] += metrics["rollout/samples"]
         self.rows.append(metrics)
-        self.p.tracker.log_metrics(metrics, step=step)
-        if self.p.dist.is_main:
+        self.tracker.log_metrics(metrics, step=step)
+        if self.is_main:
             with open(self.path, "a") as f:
                 f.write(json.dumps(metrics) + "\n")
 
     def out_of_time(self) -> bool:
         """`run.time_limit_s` of training reached, on every rank when it is on one (ranks stop together)."""
-        limit = self.p.cfg.run.time_limit_s
-        if not limit:
+        if not self.time_limit_s:
             return False  # the same on every rank: no collective
-        flag = self.counters["train_wall_s"] >= limit
-        return bool(self.p.reducer.max_(torch.tensor([float(flag)])).item())
+        flag = self.counters["train_wall_s"] >= self.time_limit_s
+        return bool(self.reducer.max_(torch.tensor([float(flag)])).item())
 
     def _replay(self, upto: int) -> list[dict]:
         """The steps a resumed run already did (later ones were lost with the crash). Rank 0 rewrites the file
         without them before any rank reads it (every rank calls this, at the same point of `train`)."""
-        if self.p.dist.is_main and self.path.is_file():
+        if self.is_main and self.path.is_file():
             rows = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
             kept = {int(r["step"]): r for r in rows if int(r["step"]) <= upto}  # a redone step: last wins
             self.path.write_text("".join(json.dumps(kept[s]) + "\n" for s in sorted(kept)))
@@ -183,50 +208,52 @@ class History:
 # ---------------------------------------------------------------------------------------------- checkpoints
 
 
-async def checkpoint(
-    p: Parts, evaluator: Evaluator, history: History, step: int, *, evaluated: bool, lag_in_force: int
-) -> None:
-    """A complete training checkpoint, registered in MLflow as a model version, and old ones pruned.
-
-    `lag_in_force`: the lag bound new tickets are issued under (rollout.max_lag, or the one rollout.max_lag=auto
-    has chosen); a resumed run continues from it.
-    """
-    cfg = p.cfg
-    root = cfg.run.path / "checkpoints"
-    accuracy = evaluator.history[-1]["eval/accuracy"] if evaluated else None
-    state = {
+def checkpoint_state(
+    cfg: Config, tracker: Tracker, held_out: HeldOut, history: History, step: int, *, evaluated: bool,
+    lag_in_force: int,
+) -> dict:
+    """A checkpoint's state.json: where the run stands (step, data position, MLflow run, counters), the lag bound
+    new tickets are issued under (rollout.max_lag, or the one rollout.max_lag=auto has chosen: a resumed run
+    continues from it) and the held-out results so far (a resumed run reports the same gains and plot)."""
+    return {
         "step": step,
         "policy_version": step,
         "data_cursor": step * cfg.rollout.prompts_per_step,
-        "mlflow_run_id": p.tracker.run_id,
-        "eval_accuracy": accuracy,
+        "mlflow_run_id": tracker.run_id,
+        "eval_accuracy": held_out.history[-1]["eval/accuracy"] if evaluated else None,
         "counters": history.counters,
         "max_lag_in_force": lag_in_force,
-        **evaluator.state(),
-    }
+        **held_out.state(),
+    }  # fmt: skip
+
+
+async def checkpoint(cfg: Config, policy: Policy, tracker: Tracker, dist: DistInfo, state: dict) -> None:
+    """A complete training checkpoint of ``state["step"]``, registered in MLflow as a model version, and old
+    ones pruned (the best is kept)."""
+    root, step = cfg.run.path / "checkpoints", state["step"]
     path = await asyncio.to_thread(
         save_checkpoint,
         step_dir(root, step),
-        model=p.model,
-        tokenizer=p.tokenizer,
-        optimizer=p.optimizer,
-        scheduler=p.scheduler,
+        model=policy.model,
+        tokenizer=policy.tokenizer,
+        optimizer=policy.optimizer,
+        scheduler=policy.scheduler,
         state=state,
         config_yaml=to_yaml(cfg),
-        rank=p.dist.rank,
-        world_size=p.dist.world_size,
+        rank=dist.rank,
+        world_size=dist.world_size,
     )
-    if not p.dist.is_main:
+    if not dist.is_main:
         return
     if cfg.tracking.log_model:
         version = await asyncio.to_thread(
-            p.tracker.register_checkpoint,
+            tracker.register_checkpoint,
             path / "model",
             name=cfg.tracking.registered_model or cfg.run.name,
             step=step,
             policy_version=step,
-            eval_accuracy=accuracy,
-            max_lag=lag_in_force,
+            eval_accuracy=state["eval_accuracy"],
+            max_lag=state["max_lag_in_force"],
         )
         log.info("step %d: checkpoint %s (model version %s)", step, path, version)
     best = _best_checkpoint(root)
@@ -246,11 +273,23 @@ def _best_checkpoint(root: Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------- summary
 
 
-def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: float) -> dict:
+def finish(
+    cfg: Config,
+    held_out: HeldOut,
+    history: History,
+    last: int,
+    *,
+    wall_s: float,
+    tracker: Tracker,
+    fleet: Fleet,
+    dist: DistInfo,
+    model_dir: Path,
+    resumed_from: int,
+) -> dict:
     """summary.json, the plot, and their MLflow artifacts (the last checkpoint is already written)."""
-    cfg, rows, counters = p.cfg, history.rows, history.counters
-    before, after = evaluator.results[0], evaluator.results[last]
-    gain, gain_se = paired_gain(before["sampled"], after["sampled"])
+    rows, counters = history.rows, history.counters
+    before, after = held_out.results[0], held_out.results[last]
+    gain, gain_se = paired_gain(before["sampled"].per_prompt, after["sampled"].per_prompt)
     lags = [h["rollout/policy_lag/mean"] for h in rows]
     summary = {
         "initial_accuracy": before["sampled"].accuracy,
@@ -259,8 +298,8 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
         "final_accuracy_se": after["sampled"].stderr,
         "accuracy_gain": gain,
         "accuracy_gain_se": gain_se,
-        "eval_prompts": len(p.eval.rows),
-        "eval_samples": before["sampled"].samples,
+        "eval_prompts": len(held_out.rows),
+        "eval_samples": before["sampled"].num_samples,
         "initial_greedy_accuracy": before["greedy"].accuracy if "greedy" in before else None,
         "final_greedy_accuracy": after["greedy"].accuracy if "greedy" in after else None,
         "initial_answer_rate": before["sampled"].answer_rate,
@@ -278,23 +317,23 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
         "samples_per_s": counters["samples"] / max(counters["train_wall_s"], 1e-9),
         "rollout_utilisation": history.mean("rollout/utilisation"),
         "train_utilisation": history.mean("train/utilisation"),
-        "server_restarts": p.fleet.restarts,
-        "resubmits": p.fleet.resubmits,
+        "server_restarts": fleet.restarts,
+        "resubmits": fleet.resubmits,
         "wall_s": wall_s,
         "train_wall_s": counters["train_wall_s"],
-        "world_size": p.dist.world_size,
-        "model_dir": str(p.model_dir),
+        "world_size": dist.world_size,
+        "model_dir": str(model_dir),
         "checkpoint_dir": str(step_dir(cfg.run.path / "checkpoints", last) / "model"),
-        "mlflow_run_id": p.tracker.run_id,
-        "tracking_uri": p.tracker.tracking_uri,
-        "resumed_from_step": p.resume.step or None,
+        "mlflow_run_id": tracker.run_id,
+        "tracking_uri": tracker.tracking_uri,
+        "resumed_from_step": resumed_from or None,
     }
-    if p.dist.is_main:
+    if dist.is_main:
         plot_path = cfg.run.path / "training.png"
         title = f"{cfg.run.name}: {cfg.objective.name}, lr {cfg.optim.lr:g}, max_lag {cfg.rollout.max_lag}"
-        plot_run(rows, evaluator.history, plot_path, title=title)
+        plot_run(rows, held_out.history, plot_path, title=title)
         (cfg.run.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        p.tracker.log_metrics(
+        tracker.log_metrics(
             {
                 "summary/accuracy_gain": gain,
                 "summary/accuracy_gain_se": gain_se,
@@ -302,9 +341,9 @@ def finish(p: Parts, evaluator: Evaluator, history: History, last: int, wall_s: 
             },
             step=last,
         )
-        p.tracker.log_artifact(plot_path)
-        p.tracker.log_artifact(cfg.run.path / "summary.json")
-    p.tracker.finish()
+        tracker.log_artifact(plot_path)
+        tracker.log_artifact(cfg.run.path / "summary.json")
+    tracker.finish()
     return summary
 
 

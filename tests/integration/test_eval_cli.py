@@ -9,17 +9,37 @@ values are checked by hand in tests/unit/test_pass_at_k.py.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 import pytest
 from mlflow import MlflowClient
 
-from app.evaluation import EvalSettings, evaluate_model, pass_at_k
+from app.config import load_config
+from app.evaluation.command import evaluate_model
+from app.evaluation.metrics import pass_at_k
 from rewards import RewardsConfig, VerifierInput, build_verifier
 
 from .model_refs import make_registry, trustbatch
 
-SETTINGS = EvalSettings(data="builtin:arithmetic", k=4, num_prompts=12, temperature=1.0, max_new_tokens=8)
+# What `trustbatch eval --k 4 --num-prompts 12 --temperature 1 --max-new-tokens 8` sets.
+K, NUM_PROMPTS, MAX_NEW = 4, 12, 8
+SETTINGS = [
+    "data.eval=builtin:arithmetic", f"data.num_eval={NUM_PROMPTS}", f"eval.num_prompts={NUM_PROMPTS}",
+    f"eval.k={K}", f"eval.samples_per_prompt={K}", "eval.temperature=1.0", f"eval.max_new_tokens={MAX_NEW}",
+    "eval.seed=0", "eval.greedy=false",
+]  # fmt: skip
+NO_STORE = "sqlite:////nonexistent/mlflow.db"  # a directory reference needs no store
+
+
+def evaluate(model_dir, *overrides: str, engine: str = "embedded"):
+    return evaluate_model(str(model_dir), load_config(None, [*SETTINGS, *overrides]), tracking_uri=NO_STORE, engine=engine)
+
+
+def texts(result) -> list[list[str]]:
+    return [[s.text for s in group] for group in result.by_prompt]
+
+
+def verdicts(result) -> list[list[bool]]:
+    return [[s.correct for s in group] for group in result.by_prompt]
 
 
 @pytest.fixture(autouse=True)
@@ -35,22 +55,22 @@ def registry(tmp_path_factory, tiny_model_dir):
 
 @pytest.fixture(scope="module")
 def report(tiny_model_dir):
-    return evaluate_model(str(tiny_model_dir), SETTINGS, tracking_uri="sqlite:////nonexistent/mlflow.db")
+    return evaluate(tiny_model_dir)
 
 
 def test_every_prompt_gets_k_scored_samples(report):
-    assert len(report.rows) == SETTINGS.num_prompts
-    assert all(len(texts) == SETTINGS.k for texts in report.texts)
-    assert all(len(c) == SETTINGS.k for c in report.correct)
+    assert len(report.rows) == NUM_PROMPTS
+    assert all(len(group) == K for group in texts(report))
+    assert report.correct == [sum(v) for v in verdicts(report)] and len(report.correct) == NUM_PROMPTS
     assert report.error_rate == 0.0
-    assert 1 <= report.mean_completion_tokens <= SETTINGS.max_new_tokens
+    assert 1 <= report.mean_completion_tokens <= MAX_NEW
 
 
 def test_correctness_is_math_verify_on_each_completion(report):
     # The verdicts the runner's worker process gave, in the right order, are what math-verify says in-process.
     verify = build_verifier("math")
-    for row, texts, verdicts in zip(report.rows, report.texts, report.correct, strict=True):
-        for text, verdict in zip(texts, verdicts, strict=True):
+    for row, row_texts, row_verdicts in zip(report.rows, texts(report), verdicts(report), strict=True):
+        for text, verdict in zip(row_texts, row_verdicts, strict=True):
             score = verify(
                 VerifierInput(prompt=row.prompt, completion=text, reference=row.answer, metadata={})
             )
@@ -58,21 +78,22 @@ def test_correctness_is_math_verify_on_each_completion(report):
 
 
 def test_pass_at_k_comes_from_the_per_prompt_counts(report):
-    n = SETTINGS.k
-    counts = [sum(c) for c in report.correct]
-    assert sorted(report.pass_at) == [1, 2, 4]
-    for k, result in report.pass_at.items():
+    n = K
+    counts = [sum(v) for v in verdicts(report)]
+    passes = report.pass_at_ks(K)
+    assert sorted(passes) == [1, 2, 4]
+    for k, result in passes.items():
         assert result.per_prompt == [pass_at_k(n, c, k) for c in counts]
         assert result.value == pytest.approx(sum(result.per_prompt) / len(counts))
     # pass@1 is the fraction of correct samples; pass@k never decreases with k.
-    assert report.pass_at[1].value == pytest.approx(sum(counts) / (n * len(counts)))
-    values = [report.pass_at[k].value for k in (1, 2, 4)]
+    assert passes[1].value == pytest.approx(sum(counts) / (n * len(counts))) == pytest.approx(report.accuracy)
+    values = [passes[k].value for k in (1, 2, 4)]
     assert values == sorted(values)
 
 
 def test_the_same_settings_and_seed_give_the_same_samples(report, tiny_model_dir):
-    again = evaluate_model(str(tiny_model_dir), SETTINGS, tracking_uri="sqlite:////nonexistent/mlflow.db")
-    assert again.texts == report.texts and again.correct == report.correct
+    again = evaluate(tiny_model_dir)
+    assert texts(again) == texts(report) and verdicts(again) == verdicts(report)
 
 
 def _cli(*args: str):
@@ -153,9 +174,12 @@ def test_eval_command_on_a_jsonl_file_uses_the_config_sections(tiny_model_dir, t
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        (["--k", "0"], "--k 0"),
-        (["--k", "4", "--samples", "2"], "--samples 2 is below --k 4"),
-        (["--data", "prompts.txt"], "--data 'prompts.txt' is neither builtin:<task> nor a file"),
+        (["--k", "0"], "eval.k=0: k must be >= 1 (--k sets eval.k"),
+        (["--k", "4", "--samples", "2"], "eval.samples_per_prompt=2 is below eval.k=4"),
+        (["--k", "4", "--samples", "2"], "--samples sets eval.samples_per_prompt"),
+        (["--data", "prompts.txt"], "data.eval='prompts.txt' is neither builtin:<task> nor a path"),
+        (["--data", "prompts.txt"], "(--data sets data.eval)"),
+        (["--engine", "vllm"], "engine 'vllm': choose one of embedded, local, sglang, auto"),
         (["--data", "builtin:geometry"], "unknown built-in task 'geometry'"),
         (["--data", "tests/fixtures/prompts_small.jsonl"], "have no verifier"),
         (["--config", "configs/missing.yaml"], "does not exist"),
@@ -179,13 +203,11 @@ def test_default_rewards_score_math(report):
 
 def test_the_built_in_server_engine_gives_the_embedded_engines_greedy_samples(tiny_model_dir):
     # One sampling path for every engine: the same prompts through the CPU server (over HTTP) and in process.
-    greedy = EvalSettings(k=1, num_prompts=6, temperature=0.0, max_new_tokens=8)
-    embedded = evaluate_model(str(tiny_model_dir), greedy, tracking_uri="sqlite:////nonexistent/mlflow.db")
-    served = evaluate_model(
-        str(tiny_model_dir), replace(greedy, engine="local"), tracking_uri="sqlite:////nonexistent/mlflow.db"
-    )
-    assert served.texts == embedded.texts and served.correct == embedded.correct
-    assert served.settings.engine == "local"
+    greedy = ["eval.k=1", "eval.samples_per_prompt=1", "eval.num_prompts=6", "eval.temperature=0.0"]
+    embedded = evaluate(tiny_model_dir, *greedy)
+    served = evaluate(tiny_model_dir, *greedy, engine="local")
+    assert texts(served) == texts(embedded) and verdicts(served) == verdicts(embedded)
+    assert served.engine == "local" and embedded.engine == "embedded"
 
 
 def _long_prompts(tmp_path):
@@ -205,7 +227,8 @@ def test_eval_command_refuses_a_prompt_too_long_for_the_context(tiny_model_dir, 
     assert out.returncode == 2, (out.stdout, out.stderr)
     assert "1 prompt(s) longer than 255 tokens" in out.stderr
     assert "long.jsonl: line 2: prompt has" in out.stderr
-    assert "--on-long-prompt drop" in out.stderr and "Traceback" not in out.stderr
+    assert "data.on_long_prompt=drop" in out.stderr and "--on-long-prompt sets data.on_long_prompt" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_eval_command_drops_and_counts_long_prompts_when_asked(tiny_model_dir, tmp_path):

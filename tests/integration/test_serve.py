@@ -18,16 +18,19 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from app.engines import resolve_kind
 from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
+from app.rollout.sglang_server import SGLangServerProcess
 from app.serving.openai import create_openai_app
-from app.serving.server import build_app, choose_engine, served_name, sglang_command
+from app.serving.server import build_app, served_name, sglang_launch
 from tests.helpers import wait_for_health
 from trainer.model import encode_prompt
 
@@ -519,23 +522,28 @@ def test_the_openai_client_raises_its_typed_errors(client):
 
 
 def test_engine_choice_and_the_sglang_command(tmp_path):
-    assert choose_engine("builtin") == "builtin"
+    assert resolve_kind("builtin") == "embedded" == resolve_kind("embedded")  # the older name still works
+    assert resolve_kind("local") == "local" and resolve_kind("sglang") == "sglang"
     if not __import__("torch").cuda.is_available():
-        assert choose_engine("auto") == "builtin"
-    if __import__("importlib").util.find_spec("sglang") is None:
-        with pytest.raises(ValueError, match="SGLang is not installed"):
-            choose_engine("sglang")
-    with pytest.raises(ValueError, match="choose auto, builtin or sglang"):
-        choose_engine("vllm")
+        assert resolve_kind("auto") == "embedded"
+    with pytest.raises(ValueError, match="choose one of embedded, local, sglang, auto"):
+        resolve_kind("vllm")
     with pytest.raises(ValueError, match="--sglang-python .* does not exist"):
-        choose_engine("sglang", sglang_python=str(tmp_path / "python"))
+        resolve_kind("sglang", sglang_python=str(tmp_path / "python"))
     assert served_name("models:/q@best") == "q@best" and served_name("runs:/abc/ckpt") == "abc/ckpt"
     assert served_name("/models/q") == "/models/q"
-    command = sglang_command(tmp_path, host="0.0.0.0", port=30001, served_model_name="m", extra_args="--tp 2")
+    # serve's SGLang command line is the launcher's (app/rollout/sglang_server.py), with --tp taken out of the
+    # extra arguments into the tensor-parallel size the launcher sets.
+    launch = sglang_launch(host="0.0.0.0", port=30001, served_model_name="m", extra_args="--tp 2 --log-level warning")
+    assert (launch.tp_size, launch.extra_args, launch.skip_tokenizer_init) == (2, ["--log-level", "warning"], False)
+    command = SGLangServerProcess(tmp_path, launch, log_path=tmp_path / "log").command()
     assert command[1:] == [
         "-m", "sglang.launch_server", "--model-path", str(tmp_path), "--host", "0.0.0.0", "--port", "30001",
-        "--served-model-name", "m", "--tp", "2",
+        "--tp-size", "2", "--weight-version", "0", "--dtype", "auto", "--base-gpu-id", "0",
+        "--served-model-name", "m", "--log-level", "warning",
     ]  # fmt: skip
+    with pytest.raises(ValueError, match="sets \\['--port'\\], which the launcher sets itself"):
+        sglang_launch(host="0.0.0.0", port=30001, served_model_name="m", extra_args="--port 1")
 
 
 # ---------------------------------------------------------------------------------------------- the command
@@ -587,7 +595,8 @@ def test_serve_command_resolves_and_serves_a_registered_model(registry, tmp_path
         (["serve", "models:/nope@best"], "no registered model named 'nope'"),
         (["serve", "models:/tiny-arithmetic@worst"], "no alias 'worst'"),
         (["serve", "/no/such/model"], "neither an existing directory"),
-        (["serve", "{model_dir}", "--engine", "vllm"], "choose auto, builtin or sglang"),
+        (["serve", "{model_dir}", "--engine", "vllm"], "choose one of embedded, local, sglang, auto"),
+        (["serve", "{model_dir}", "--engine", "local"], "use --engine embedded"),
     ],
 )
 def test_serve_command_bad_input_exits_2(registry, tiny_model_dir, args, fragment):
@@ -598,7 +607,20 @@ def test_serve_command_bad_input_exits_2(registry, tiny_model_dir, args, fragmen
 
 
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
-SGLANG_CPU_ARGS = "--device cpu --attention-backend torch_native --disable-cuda-graph --max-total-tokens 4096 --dtype float32"
+
+
+def sglang_servers_on(port: int) -> list[int]:
+    """Pids of live `sglang.launch_server` processes listening on ``port`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().split(") ")[-1][:1]
+        except (OSError, ValueError):
+            continue
+        if "sglang.launch_server" in command and f"--port {port} " in command and state != "Z":
+            found.append(int(entry.name))
+    return found
 
 
 @pytest.mark.skipif(
@@ -608,15 +630,16 @@ SGLANG_CPU_ARGS = "--device cpu --attention-backend torch_native --disable-cuda-
 def test_serve_command_with_the_sglang_engine_answers_like_the_builtin_one(
     tiny_model_dir, tmp_path, engine, tokenizer
 ):
-    """`--engine sglang` hands the resolved directory to real SGLang (its CPU platform here, as a GPU would)."""
+    """`--engine sglang` hands the resolved directory to real SGLang (its CPU platform here, chosen because CUDA is
+    absent), a child process that serve stops when it is stopped."""
     port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "SGLANG_USE_CPU_ENGINE": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     log_path = tmp_path / "sglang.log"
     with log_path.open("w") as log:
         process = subprocess.Popen(
             [
                 sys.executable, "-m", "app.cli", "serve", str(tiny_model_dir), "--port", str(port),
-                "--engine", "sglang", "--sglang-python", str(SGLANG_PYTHON), "--sglang-args", SGLANG_CPU_ARGS,
+                "--engine", "sglang", "--sglang-python", str(SGLANG_PYTHON), "--sglang-args", "--log-level warning",
                 "--served-model-name", "tiny-sglang",
             ],
             cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -634,12 +657,13 @@ def test_serve_command_with_the_sglang_engine_answers_like_the_builtin_one(
         assert out.usage.prompt_tokens == len(ids_of(tokenizer, "45+38="))
         assert out.usage.completion_tokens == len(expected.output_ids)
     finally:
-        os.killpg(
-            process.pid, signal.SIGTERM
-        )  # SGLang replaced the trustbatch process; its helpers share the group
+        process.terminate()  # serve stops its SGLang server (a process group of its own) before it exits
         try:
-            process.wait(timeout=30)
+            code = process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=10)
+            code = None
+    assert code == 0, log_path.read_text()[-3000:]
     assert "sglang.launch_server --model-path" in log_path.read_text()
+    assert not sglang_servers_on(port), "serve left its SGLang server running"

@@ -54,7 +54,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def sampling(tokenizer) -> SamplingParams:
-    from app.evaluation import stop_token_ids
+    from app.data.prepare import stop_token_ids
 
     return SamplingParams(max_new_tokens=24, temperature=1.0, n=2, seed=3, stop_token_ids=stop_token_ids(tokenizer))
 

@@ -10,6 +10,13 @@ Every `import` and `from ... import` of every module under app/, trainer/, rewar
   `app.serving` or `app.evaluation` (it talks to servers over HTTP and to the trainer through the joint);
 - `app/serving` never imports `app.training` or `trainer.step`/`trainer.optim` (serving does not train).
 
+- `app/data` imports nothing of app/ but `app.sampling` (it is the bottom of the application);
+- no import circles: the graph of every import between modules (lazy ones included) has no cycle;
+- no file over 700 lines;
+- engines are started in one place: outside app/rollout, only app/engines.py constructs a server process
+  (`LocalServerProcess`, `SGLangServerProcess`, `launch_servers`), an `SGLangClient` or an
+  `EmbeddedEngine.from_pretrained`.
+
 The checker is also run on a small tree that breaks each rule, so a rule that can no longer fire fails here.
 """
 
@@ -24,6 +31,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("app", "trainer", "rewards", "sandbox")
 JOINT = "app.rollout.joint"
 PURE = ("trainer.objective", "trainer.advantages")
+MAX_LINES = 700
+ENGINE_OPENER = "app.engines"
+STARTERS = ("LocalServerProcess", "SGLangServerProcess", "launch_servers", "SGLangClient")
+"""Calls that start an engine: only the opener (and app/rollout, where they are defined) makes them."""
 
 
 @dataclass(frozen=True)
@@ -105,7 +116,75 @@ def broken_rules(src: str, dst: str) -> list[str]:
             for o in ("app.training", "trainer.step", "trainer.optim")
             if within(dst, o)
         ]
+    if within(src, "app.data") and within(dst, "app") and not (within(dst, "app.data") or dst == "app.sampling"):
+        rules.append("app/data imports nothing of app/ but app.sampling")
     return rules
+
+
+def cycles(edges: list[Edge]) -> list[list[str]]:
+    """Every strongly connected set of two or more modules (Tarjan), each a list of module names."""
+    graph: dict[str, set[str]] = {}
+    for e in edges:
+        if e.importer != e.imported:
+            graph.setdefault(e.importer, set()).add(e.imported)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def long_files(root: Path) -> list[str]:
+    return [
+        f"{path.relative_to(root)}: {n} lines"
+        for package in PACKAGES
+        for path in sorted((root / package).rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    ]
+
+
+def engine_starts(root: Path) -> list[str]:
+    """Calls that start an engine outside app/engines.py and app/rollout."""
+    out = []
+    for package in PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            name = module_name(path, root)
+            if name == ENGINE_OPENER or within(name, "app.rollout"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                called = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+                from_pretrained = (
+                    called == "from_pretrained" and isinstance(func.value, ast.Name) and func.value.id == "EmbeddedEngine"
+                )
+                if called in STARTERS or from_pretrained:
+                    out.append(f"{path.relative_to(root)}:{node.lineno}: {name} starts an engine ({called})")
+    return out
 
 
 def violations(edges: list[Edge]) -> list[str]:
@@ -124,6 +203,21 @@ def test_the_tree_keeps_the_dependency_rule():
         assert any(within(i, name) for i in importers), f"no imports read from {name}"
     assert len(edges) > 300
     assert violations(edges) == []
+
+
+def test_no_import_circles():
+    assert cycles(walk(ROOT)) == []
+
+
+def test_no_file_is_over_700_lines():
+    assert long_files(ROOT) == []
+
+
+def test_engines_are_started_only_by_the_opener():
+    assert engine_starts(ROOT) == []
+    # The opener is where they are: the rule looks at the right names.
+    opener = (ROOT / "app" / "engines.py").read_text()
+    assert all(name in opener for name in ("LocalServerProcess(", "launch_servers(", "SGLangClient(", "EmbeddedEngine.from_pretrained("))
 
 
 def test_the_joint_is_where_rollout_meets_the_trainer():
@@ -148,6 +242,12 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
         "app/training/loop.py": "from app import cli\n",
         "app/serving/__init__.py": "",
         "app/serving/openai.py": "from ..training.loop import run\n",
+        "app/data/__init__.py": "from app.config import Config\nfrom app.sampling import describe\n",
+        "app/config.py": "def f():\n    import app.data\n",
+        "app/sampling.py": "",
+        "app/evaluation/run.py": "from app.rollout.sglang import SGLangClient\nclient = SGLangClient(cfg)\n",
+        "app/engines.py": "engine = EmbeddedEngine.from_pretrained(path)\n",  # allowed: the opener
+        "app/long.py": "x = 1\n" * (MAX_LINES + 1),
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -163,6 +263,7 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
         "app/rollout/fleet.py:2: app.rollout.fleet imports trainer.weights",
         "app/training/loop.py:1: app.training.loop imports app.cli",
         "app/serving/openai.py:1: app.serving.openai imports app.training.loop",
+        "app/data/__init__.py:1: app.data imports app.config (app/data imports nothing",
     ]
     for prefix in expected:
         assert any(v.startswith(prefix) for v in found), (prefix, found)
@@ -170,3 +271,6 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
     assert not any(
         v.startswith(("trainer/advantages.py", "app/rollout/joint.py", "rewards/math.py:2")) for v in found
     )
+    assert cycles(walk(tmp_path)) == [["app.config", "app.data"]]
+    assert long_files(tmp_path) == [f"app/long.py: {MAX_LINES + 1} lines"]
+    assert engine_starts(tmp_path) == ["app/evaluation/run.py:2: app.evaluation.run starts an engine (SGLangClient)"]

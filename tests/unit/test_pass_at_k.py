@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from app.evaluation import EvalSettings, pass_at_k, reported_ks, summarize
+from app.evaluation.config import EvalConfig
+from app.evaluation.metrics import pass_at_k, reported_ks, summarize
 
 
 @pytest.mark.parametrize(
@@ -77,23 +78,29 @@ def test_reported_ks_are_one_the_powers_of_two_below_k_and_k():
 @pytest.mark.parametrize(
     ("kwargs", "fragment"),
     [
-        ({"k": 0}, "--k 0"),
-        ({"k": 4, "samples": 2}, "--samples 2 is below --k 4"),
-        ({"num_prompts": 0}, "--num-prompts"),
-        ({"temperature": 0.0, "k": 4}, "--temperature 0 is greedy"),
-        ({"temperature": 3.0}, "--temperature"),
-        ({"top_p": 0.0}, "--top-p"),
-        ({"max_new_tokens": 0}, "--max-new-tokens"),
+        ({"k": 0}, "eval.k=0"),
+        ({"k": 4, "samples_per_prompt": 2}, "eval.samples_per_prompt=2 is below eval.k=4"),
+        ({"num_prompts": 0}, "eval.num_prompts"),
+        ({"temperature": 0.0, "k": 4, "samples_per_prompt": 4}, "eval.temperature=0 is greedy"),
+        ({"temperature": 3.0}, "eval.temperature"),
+        ({"top_p": 0.0}, "eval.top_p"),
+        ({"max_new_tokens": 0}, "eval.max_new_tokens"),
+        ({"seed": 2**70}, "eval.seed"),
     ],
 )
-def test_bad_settings_name_the_option(kwargs, fragment):
+def test_bad_settings_name_the_key(kwargs, fragment):
     with pytest.raises(ValueError, match=fragment):
-        EvalSettings(**kwargs)
+        EvalConfig(**kwargs)
+
+
+def test_empty_sampling_values_come_from_the_rollout_section():
+    settings = EvalConfig(temperature=0.5).resolved(temperature=1.0, top_p=0.9, max_new_tokens=7, seed=3)
+    assert (settings.temperature, settings.top_p, settings.max_new_tokens, settings.seed) == (0.5, 0.9, 7, 3)
 
 
 def test_answer_rate_counts_completions_with_an_extracted_answer_apart_from_correctness():
     """Format compliance: a boxed answer present, right or wrong; a verifier reporting no extraction is None."""
-    from app.evaluation import EvalResult, Sample
+    from app.evaluation.run import EvalResult, Sample
     from app.rollout.base import Completion
     from rewards.registry import build_verifier
     from rewards.types import Score, VerifierInput
@@ -114,7 +121,7 @@ def test_answer_rate_counts_completions_with_an_extracted_answer_apart_from_corr
     assert [s.answered for s in samples] == [True, True, False, True]
     assert [s.correct for s in samples] == [True, False, False, True]
     result = EvalResult.from_samples(samples, num_prompts=2, n=2)
-    assert result.per_prompt == [0.5, 0.5] and result.answer_rate == 0.75
+    assert result.per_prompt == [0.5, 0.5] and result.correct == [1, 1] and result.answer_rate == 0.75
     plain = Sample(0, Completion([1], [2], [0.0], "stop", 0), "x", Score(1.0, True, {"exact": {"reward": 1.0}}))
     assert plain.answered is None
     assert EvalResult.from_samples([plain], num_prompts=1, n=1).answer_rate is None

@@ -7,7 +7,8 @@ import pytest
 
 from app.config import load_config
 from app.data import DatasetError, load_prompts
-from app.training.runtime import encode_rows, prepare_prompts
+from app.data.prepare import ModelText, encode_rows
+from app.training.setup import run_prompts
 from trainer.model import build_tiny_tokenizer, encode_prompt
 
 CONTEXT = 64
@@ -41,7 +42,7 @@ def config(tmp_path, train, evaluation, *extra):
 
 def prepare(cfg):
     rows = {split: load_prompts(getattr(cfg.data, split)) for split in ("train", "eval")}
-    return prepare_prompts(cfg, build_tiny_tokenizer(), CONTEXT, rows["train"], rows["eval"], "tiny")
+    return run_prompts(cfg, ModelText(build_tiny_tokenizer(), CONTEXT, "tiny"), rows["train"], rows["eval"])
 
 
 def test_encode_rows_gives_the_ids_encode_prompt_gives():

@@ -1,0 +1,63 @@
+"""Prompt datasets: files with a validated row schema, and built-in synthetic tasks.
+
+- rows.py: the row schema (`PromptRow`, `DatasetError`, row validation) and the .jsonl / .parquet / GSM8K loader
+  (`load_prompts`);
+- prepare.py: preparing prompts for a model, once per command (`ModelText`: tokenizer and context; `prepare_prompts`:
+  tokenize and length-check; `stop_token_ids`);
+- sources.py: `DataConfig`, the registry of built-in tasks (`BUILTIN_TASKS`) and `load_split`;
+- tasks/: the built-in tasks, `builtin:arithmetic` and `builtin:word_problems` (its templates a table).
+"""
+
+from app.data.prepare import limit_prompt_lengths
+from app.data.rows import (
+    FILE_EXTENSIONS,
+    FORMATS,
+    ROLES,
+    WORD_PROBLEM_INSTRUCTION,
+    DatasetError,
+    PromptRow,
+    load_prompts,
+)
+from app.data.sources import BUILTIN_PREFIX, BUILTIN_TASKS, BuiltinTask, DataConfig, load_split
+from app.data.tasks import (
+    TEST_FRACTION,
+    WORD_PROBLEM_TEMPLATES,
+    ArithmeticConfig,
+    Numbers,
+    WordProblemsConfig,
+    WordProblemTemplate,
+    arithmetic_prompts,
+    evaluate_expression,
+    sft_text,
+    split_of,
+    word_problem_key,
+    word_problem_prompts,
+)
+
+__all__ = [
+    "BUILTIN_PREFIX",
+    "BUILTIN_TASKS",
+    "FILE_EXTENSIONS",
+    "FORMATS",
+    "ROLES",
+    "TEST_FRACTION",
+    "WORD_PROBLEM_INSTRUCTION",
+    "WORD_PROBLEM_TEMPLATES",
+    "ArithmeticConfig",
+    "BuiltinTask",
+    "DataConfig",
+    "DatasetError",
+    "Numbers",
+    "PromptRow",
+    "WordProblemTemplate",
+    "WordProblemsConfig",
+    "arithmetic_prompts",
+    "evaluate_expression",
+    "limit_prompt_lengths",
+    "load_prompts",
+    "load_split",
+    "sft_text",
+    "split_of",
+    "word_problem_key",
+    "word_problem_prompts",
+]

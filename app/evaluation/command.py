@@ -1,0 +1,152 @@
+"""`trustbatch eval`: a model reference in, an `EvalResult` out (and, with `run_evaluation`, its report).
+
+Pipeline: resolve the reference (app/models.py: ``models:/NAME@ALIAS``, ``models:/NAME/VERSION``, ``runs:/...``
+or a directory) -> load the prompts through training's loader (``data.eval``: a JSONL / Parquet file, or the
+test split of a built-in task) -> tokenize them as the rollout engines get them and check each against the
+model's context (`prepare_prompts`, as training's start-up; a prompt leaving fewer than the completion budget is
+an error, or dropped and counted with ``data.on_long_prompt=drop``) -> open the engine (app/engines.py:
+``embedded`` in process, the default; ``local``, the built-in CPU server; ``sglang``, servers launched or given
+by ``rollout.sglang.urls``) -> `sample_and_score` -> pass@k. Generation stops at EOS and at the chat template's
+end-of-turn token, as in training.
+
+The settings are a `Config` (app/cli.py builds it from the command's options over ``--config``): ``eval`` (k,
+samples per prompt, prompts, sampling), ``data`` (the prompts, their built-in task settings, on_long_prompt),
+``rewards`` and ``sandbox`` (scoring), ``rollout`` (the sampling values ``eval`` leaves empty, the engine's
+batch size, the SGLang servers) and ``tracking``. The prompts go to the engine in calls of
+``rollout.max_batch_size // n`` prompts (call c with seed + c), so another batch size draws differently.
+
+Not covered: greedy accuracy as such (``--temperature 0 --k 1`` measures it), several processes (training
+evaluates under torchrun; the command runs in one process, any number of SGLang servers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import replace
+from pathlib import Path
+
+from app.config import Config
+from app.data import load_split
+from app.data.prepare import ModelText, prepare_prompts
+from app.engines import EngineOptions, open_engine
+from app.evaluation.report import log_to_mlflow, write_json
+from app.evaluation.run import EvalResult, sample_and_score
+from app.models import fetch, lookup
+from app.rollout.base import SamplingParams
+from app.scoring import rewards_with_sandbox
+from rewards import check_tasks
+from rewards.runner import RewardRunner
+
+log = logging.getLogger("trustbatch")
+
+FITTED_NEW_TOKENS = 256
+"""Longest completion when nothing sets it (``fit_new_tokens``): at most this, and what the longest prompt leaves
+of the model's context."""
+
+
+def evaluate_model(
+    ref: str,
+    cfg: Config,
+    *,
+    tracking_uri: str,
+    engine: str = "embedded",
+    fit_new_tokens: bool = False,
+    label: str | None = None,
+) -> EvalResult:
+    """Sample, score and summarize ``ref`` (no MLflow, no files); see the module docstring.
+
+    ``fit_new_tokens``: with ``eval.max_new_tokens`` empty, the completions get FITTED_NEW_TOKENS or what the
+    longest prompt leaves of the context, instead of ``rollout.max_new_tokens``. ``label``: show progress.
+    """
+    settings = cfg.eval.resolved(
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        seed=cfg.run.seed + 17,
+    )
+    fit = fit_new_tokens and cfg.eval.max_new_tokens is None
+    source = lookup(ref, tracking_uri=tracking_uri)  # fail on a bad reference before loading any data
+    rows = load_split(cfg.data, "eval")[: cfg.eval.num_prompts]
+    check_tasks(cfg.rewards, {row.task for row in rows})
+    model_dir = fetch(source, tracking_uri=tracking_uri)
+    text = ModelText.from_dir(model_dir)
+    prompts = prepare_prompts(
+        rows,
+        text,
+        max_new_tokens=FITTED_NEW_TOKENS if fit else settings.max_new_tokens,
+        fit=fit,
+        on_long_prompt=cfg.data.on_long_prompt,
+        source_key="data.eval",
+        source=cfg.data.eval,
+        new_tokens_key="eval.max_new_tokens",
+    )
+    settings = replace(settings, max_new_tokens=prompts.max_new_tokens)
+    n = settings.samples_per_prompt
+    params = SamplingParams(
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        n=n,
+        stop_token_ids=text.stop_token_ids,
+        seed=settings.seed,
+    )
+    options = EngineOptions(max_batch_size=cfg.rollout.max_batch_size, sglang=cfg.rollout.sglang)
+    per_call = max(1, cfg.rollout.max_batch_size // n)
+
+    def run(engine_or_generate, runner: RewardRunner, loop=None) -> EvalResult:
+        return sample_and_score(
+            engine_or_generate, prompts.rows, prompts.ids, params, runner, text.decode,
+            prompts_per_call=per_call, loop=loop, label=label,
+        )  # fmt: skip
+
+    with open_engine(engine, model_dir, options) as opened, RewardRunner(
+        rewards_with_sandbox(cfg.rewards, cfg.sandbox)
+    ) as runner:
+        if opened.kind == "embedded":
+            result = run(opened.engine, runner)
+        else:
+
+            async def over_http() -> EvalResult:
+                client = opened.engine
+                try:
+                    await client.wait_healthy()
+                    # Sampling blocks; the client lives on this loop, so sampling runs in a worker thread.
+                    return await asyncio.to_thread(run, client, runner, asyncio.get_running_loop())
+                finally:
+                    await client.close()
+
+            result = asyncio.run(over_http())
+    return replace(
+        result,
+        settings=settings,
+        dropped=prompts.dropped,
+        model=source,
+        model_dir=str(model_dir),
+        engine=opened.kind,
+        max_batch_size=cfg.rollout.max_batch_size,
+        data=cfg.data.eval,
+        tracking_uri=tracking_uri,
+    )
+
+
+def run_evaluation(
+    ref: str,
+    cfg: Config,
+    *,
+    tracking_uri: str,
+    engine: str = "embedded",
+    fit_new_tokens: bool = False,
+    out: Path | None = None,
+    track: bool = True,
+    label: str | None = "eval",
+) -> EvalResult:
+    """`trustbatch eval`: evaluate, log a new MLflow run (unless ``track`` is False), write ``out`` if given."""
+    result = evaluate_model(
+        ref, cfg, tracking_uri=tracking_uri, engine=engine, fit_new_tokens=fit_new_tokens, label=label
+    )
+    if track:
+        result.mlflow_run_id = log_to_mlflow(result, experiment=cfg.tracking.experiment)
+    if out is not None:
+        write_json(result, out)
+    return result

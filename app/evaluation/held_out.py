@@ -1,0 +1,113 @@
+"""Held-out evaluation during training: the same prompts, settings and seed at every evaluation of a run.
+
+`HeldOut` is called by the training loop before the first step, every ``eval.every`` steps and after the last
+(app/training/loop.py). Each call samples ``eval.samples_per_prompt`` completions of every held-out prompt at the
+evaluation temperature (sampled pass@1, and pass@k up to ``eval.k``) and, with ``eval.greedy``, one greedy
+completion (greedy accuracy), through `sample_and_score` like `trustbatch eval`; it logs the metrics and keeps
+each result, so the run's summary can pair the first and the last evaluation prompt by prompt.
+
+``generate`` is a blocking call (the loop hands it one that submits to the fleet on the event loop), because
+evaluation runs in a worker thread while rollouts of the next steps go on. Under torchrun every rank samples its
+share of the prompts; the counts are summed over ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from app.data import PromptRow
+from app.evaluation.config import EvalConfig
+from app.evaluation.metrics import reported_ks
+from app.evaluation.run import EvalResult, Generate, sample_and_score
+from app.rollout.base import SamplingParams
+from rewards.runner import RewardRunner
+from trainer.distributed import Reducer
+
+
+class HeldOut:
+    """The held-out evaluations of one training run.
+
+    Args:
+        settings: the run's ``eval`` section, resolved against its rollout section (`EvalConfig.resolved`).
+        prompts: the held-out prompts, tokenized as the engines get them.
+        stop_token_ids: where generation ends (EOS, end of turn).
+        runner, decode, reducer: scoring, token ids to text, the ranks' sums.
+        log_metrics: where each evaluation's metrics go (``Tracker.log_metrics``).
+        state: what a checkpoint kept (`state`), to go on from a resumed run's evaluations.
+    """
+
+    def __init__(
+        self,
+        settings: EvalConfig,
+        rows: list[PromptRow],
+        ids: list[list[int]],
+        *,
+        stop_token_ids: tuple[int, ...],
+        runner: RewardRunner,
+        decode: Callable[[list[int]], str],
+        reducer: Reducer,
+        log_metrics: Callable[[dict[str, float], int], None],
+        state: dict | None = None,
+    ) -> None:
+        assert settings.temperature is not None and settings.max_new_tokens is not None, "resolve the settings"
+        self.settings, self.rows, self.ids = settings, rows, ids
+        self.runner, self.decode, self.reducer, self.log_metrics = runner, decode, reducer, log_metrics
+        sampled = SamplingParams(
+            max_new_tokens=settings.max_new_tokens,
+            temperature=settings.temperature,
+            top_p=settings.top_p if settings.top_p is not None else 1.0,
+            n=settings.samples_per_prompt,
+            stop_token_ids=stop_token_ids,
+            seed=settings.seed,
+        )
+        self.runs = {"sampled": sampled}
+        if settings.greedy:
+            self.runs["greedy"] = replace(sampled, n=1, temperature=0.0, top_p=1.0)
+        state = state or {}
+        self.results: dict[int, dict[str, EvalResult]] = {
+            int(step): {name: EvalResult.from_state(result) for name, result in runs.items()}
+            for step, runs in state.get("evals", {}).items()
+        }
+        self.history: list[dict[str, float]] = list(state.get("eval_history", []))
+
+    def __call__(self, step: int, generate: Generate) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.results[step] = {
+            name: sample_and_score(
+                generate, self.rows, self.ids, params, self.runner, self.decode, reducer=self.reducer,
+                label=f"eval at step {step} ({name})",
+            )  # fmt: skip
+            for name, params in self.runs.items()
+        }
+        sampled = self.results[step]["sampled"]
+        out = {
+            "step": step,
+            "eval/accuracy": sampled.accuracy,
+            "eval/accuracy_se": sampled.stderr,
+            "eval/samples": sampled.num_samples,
+        }
+        if sampled.answer_rate is not None:
+            out["eval/answer_rate"] = sampled.answer_rate
+        for k in reported_ks(self.settings.k)[1:]:
+            out[f"eval/pass_at_{k}"] = sampled.pass_at(k).value
+        if "greedy" in self.results[step]:
+            greedy = self.results[step]["greedy"]
+            out["eval/greedy_accuracy"] = greedy.accuracy
+            if greedy.answer_rate is not None:
+                out["eval/greedy_answer_rate"] = greedy.answer_rate
+        out["timing/eval"] = time.perf_counter() - t0
+        self.log_metrics(out, step)
+        self.history.append(out)
+        return out
+
+    def state(self) -> dict:
+        """What a checkpoint keeps so that a resumed run reports the same gains and plot."""
+        return {
+            "evals": {
+                str(step): {name: result.state() for name, result in runs.items()}
+                for step, runs in self.results.items()
+            },
+            "eval_history": self.history,
+        }

@@ -1,0 +1,291 @@
+"""Everything a training run drives, built once: model, optimizer, rollout fleet, rewards, prompts, tracking.
+
+`setup(cfg, resume)` returns the `Parts` that app/training/loop.py orchestrates, restored from a checkpoint when
+``resume`` names one (app/training/resume.py). Building order matters and is kept here, out of the loop: first
+what can stop the run for a fixable reason, before any model is built or loaded (the config's start-up checks;
+the datasets, their tasks, and their prompts tokenized as the engines get them and checked against the model's
+context, app/data/prepare.py); then the process group; the model (bootstrapped if asked); the rollout engine
+(app/engines.py `open_engine`), started from the weights the run continues from; FSDP2 sharding; the optimizer;
+the checkpoint restore; the reward runner; MLflow last. What was started is closed by `Parts.close`, also when
+setup itself fails half way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from app.config import Config, ConfigError, check_trainable, flatten, to_yaml
+from app.data import PromptRow, load_split
+from app.data.prepare import ModelText, Prompts, prepare_prompts
+from app.engines import EngineOptions, open_engine
+from app.evaluation.held_out import HeldOut
+from app.rollout.base import SamplingParams
+from app.rollout.fleet import Fleet
+from app.scoring import rewards_with_sandbox
+from app.tracking import Tracker
+from app.training.bootstrap import ensure_model
+from app.training.resume import Resume, set_aside
+from rewards import check_tasks
+from rewards.runner import RewardRunner
+from trainer.checkpoint import load_checkpoint
+from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
+from trainer.model import build_tiny_tokenizer, load_model
+from trainer.optim import build_optimizer
+
+log = logging.getLogger("trustbatch")
+
+
+class PromptSampler:
+    """Seeded epochs over the training prompts; `cursor` is the data position (for resumption)."""
+
+    def __init__(self, size: int, seed: int, cursor: int = 0):
+        self.size, self.seed, self.cursor = size, seed, cursor
+
+    def take(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            epoch, offset = divmod(self.cursor, self.size)
+            order = list(range(self.size))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            n = min(k - len(out), self.size - offset)
+            out += order[offset : offset + n]
+            self.cursor += n
+        return out
+
+
+@dataclass
+class Policy:
+    """What training updates and saves: the model, its tokenizer, the optimizer and the learning-rate schedule."""
+
+    model: torch.nn.Module
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    model_dir: Path
+    """The directory the run started from (the bootstrapped or pretrained model)."""
+
+
+@dataclass
+class Parts:
+    """Everything the loop drives, built once by `setup`."""
+
+    cfg: Config
+    dist: DistInfo
+    reducer: Reducer
+    policy: Policy
+    text: ModelText
+    fleet: Fleet
+    runner: RewardRunner
+    tracker: Tracker
+    train: Prompts
+    held_out: HeldOut
+    sampling: SamplingParams
+    """How rollouts sample (rollout.*; n = group_size)."""
+    resume: Resume
+    closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
+    """The engine's servers and the reward runner, closed by `close`."""
+
+    def close(self) -> None:
+        self.closing.close()
+
+
+@dataclass
+class PromptSets:
+    """The train and eval prompts of a run, tokenized and checked against the model's context."""
+
+    train: Prompts
+    eval: Prompts
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Prompts left out for their length (data.on_long_prompt=drop), per split."""
+        return {"train": self.train.dropped, "eval": self.eval.dropped}
+
+
+def run_prompts(cfg: Config, text: ModelText, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> PromptSets:
+    """The training rows, and the eval rows an evaluation uses (the first eval.num_prompts that fit), tokenized
+    and checked against the model's context (`prepare_prompts`)."""
+    common = dict(on_long_prompt=cfg.data.on_long_prompt, new_tokens_key="rollout.max_new_tokens")
+    train = prepare_prompts(
+        train_rows, text, max_new_tokens=cfg.rollout.max_new_tokens, source_key="data.train",
+        source=cfg.data.train, **common,
+    )  # fmt: skip
+    eval_new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    held_out = prepare_prompts(
+        eval_rows, text, max_new_tokens=eval_new_tokens, source_key="data.eval", source=cfg.data.eval,
+        keep=cfg.eval.num_prompts, **common,
+    )  # fmt: skip
+    return PromptSets(train, held_out)
+
+
+def check_run_tasks(cfg: Config, rows: list[PromptRow]) -> None:
+    try:
+        check_tasks(cfg.rewards, {row.task for row in rows})
+    except ValueError as exc:
+        raise ConfigError(f"data.train={cfg.data.train!r} / data.eval={cfg.data.eval!r}: {exc}") from None
+
+
+def early_text(cfg: Config) -> ModelText | None:
+    """The tokenizer and context of the model to train, without loading its weights: a local model directory's
+    files, or the tiny tokenizer that model.bootstrap will save; None for a hub id (known once loaded)."""
+    path = Path(cfg.model.path).expanduser()
+    if path.is_dir():
+        try:
+            return ModelText.from_dir(path)
+        except (OSError, ValueError):
+            return None  # load_model reports it, with its own message
+    if not path.exists() and cfg.model.bootstrap:
+        return ModelText(
+            build_tiny_tokenizer(), cfg.model.tiny.max_position_embeddings, "model.tiny (model.bootstrap=true)"
+        )
+    return None
+
+
+def setup(cfg: Config, resume: Resume) -> Parts:
+    """Build the run; the caller owns the returned Parts (close them) and awaits `fleet.connect`."""
+    # Everything that can stop the run for a fixable reason comes first, before any model is built or loaded.
+    check_trainable(cfg)
+    train_rows = load_split(cfg.data, "train")
+    eval_rows = load_split(cfg.data, "eval")
+    check_run_tasks(cfg, train_rows + eval_rows[: cfg.eval.num_prompts])
+    text = early_text(cfg)
+    sets = run_prompts(cfg, text, train_rows, eval_rows) if text is not None else None
+
+    dist = init_distributed()
+    reducer = dist.reducer()
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    if dist.is_main:
+        cfg.run.path.mkdir(parents=True, exist_ok=True)
+        (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
+        set_aside(resume.damaged)
+
+    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier)
+    model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
+    if sets is None:  # a hub model: its tokenizer and context are known now
+        text = ModelText.from_model(model, tokenizer, cfg.model.path)
+        sets = run_prompts(cfg, text, train_rows, eval_rows)
+    assert text is not None
+    check_run_tasks(cfg, sets.train.rows + sets.eval.rows)
+
+    closing = contextlib.ExitStack()
+    try:
+        fleet = start_fleet(cfg, closing, model_dir, dist, resume, tokenizer)
+        if dist.world_size > 1:
+            shard_model(model)
+        model.train()
+        optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.run.steps)
+        if resume.checkpoint is not None:
+            restore(cfg, resume, model, optimizer, scheduler, dist.rank)
+        try:
+            runner = closing.enter_context(RewardRunner(rewards_with_sandbox(cfg.rewards, cfg.sandbox)))
+        except (TypeError, ValueError) as exc:  # a package.module:factory verifier's params are checked here
+            raise ConfigError(str(exc)) from None
+        tracker = Tracker(
+            cfg.tracking,
+            cfg.run.path,
+            run_name=cfg.run.name,
+            enabled=dist.is_main,
+            resume_run_id=resume.state.get("mlflow_run_id"),
+        )
+        tracker.log_config(flatten(cfg), to_yaml(cfg))
+        counts = {f"data/dropped_long_prompts/{split}": float(n) for split, n in sets.dropped.items()}
+        counts["data/train_prompts"] = float(len(sets.train.rows))
+        counts["data/eval_prompts"] = float(len(sets.eval.rows))
+        tracker.log_metrics(counts, step=resume.step)
+    except BaseException:
+        closing.close()
+        raise
+    r = cfg.rollout
+    held_out = HeldOut(
+        cfg.eval.resolved(
+            temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens, seed=cfg.run.seed + 17
+        ),
+        sets.eval.rows,
+        sets.eval.ids,
+        stop_token_ids=text.stop_token_ids,
+        runner=runner,
+        decode=text.decode,
+        reducer=reducer,
+        log_metrics=tracker.log_metrics,
+        state=resume.state,
+    )
+    return Parts(
+        cfg=cfg,
+        dist=dist,
+        reducer=reducer,
+        policy=Policy(model, tokenizer, optimizer, scheduler, model_dir),
+        text=text,
+        fleet=fleet,
+        runner=runner,
+        tracker=tracker,
+        train=sets.train,
+        held_out=held_out,
+        sampling=SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            n=r.group_size,
+            stop_token_ids=text.stop_token_ids,
+        ),
+        resume=resume,
+        closing=closing,
+    )
+
+
+def start_fleet(
+    cfg: Config, closing: contextlib.ExitStack, model_dir: Path, dist: DistInfo, resume: Resume, tokenizer
+) -> Fleet:
+    """The configured rollout engine (`open_engine`, its servers stopped by ``closing``) under supervision,
+    publishing each new version (`Fleet.publish`); versions on disk go to ``<run dir>/weights/v<N>/``. The
+    engines start from the weights the run continues from. A server started here loads while the trainer
+    builds its model; `Fleet.connect` waits for it."""
+    r = cfg.rollout
+    version = resume.step
+    engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
+    opened = closing.enter_context(
+        open_engine(
+            r.engine,
+            engine_dir,
+            EngineOptions(
+                max_batch_size=r.max_batch_size, sglang=r.sglang, log_dir=cfg.run.path, weight_version=version,
+                rank=dist.rank, wait=False,
+            ),  # fmt: skip
+        )
+    )
+    fleet = Fleet(
+        opened.engine,
+        opened.servers,
+        r.supervision,
+        health_timeout_s=(opened.client or r.sglang).health_timeout_s,
+        weight_sync=r.sglang.weight_sync if opened.client is not None else None,
+        weights_dir=cfg.run.path / "weights",
+        tokenizer=tokenizer,
+        is_main=dist.is_main,
+        wait_for_push=r.max_lag == 0,
+    )
+    if resume.checkpoint is not None and opened.kind == "sglang":
+        fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect
+    return fleet
+
+
+def restore(cfg: Config, resume: Resume, model, optimizer, scheduler, rank: int) -> None:
+    """Load the checkpoint the run resumes from into the model, optimizer and schedule."""
+    assert resume.checkpoint is not None
+    try:
+        load_checkpoint(resume.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    except Exception as exc:  # noqa: BLE001 - damage that checkpoint_problem cannot see (inside a file)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise ConfigError(
+            f"resume={cfg.resume}: checkpoint {resume.checkpoint} cannot be loaded ({type(exc).__name__}: {first}); "
+            f"move it aside (mv {resume.checkpoint} {resume.checkpoint}.damaged) to resume from the previous "
+            "complete checkpoint"
+        ) from None
+    log.info("resuming %s from %s (step %d)", cfg.run.path, resume.checkpoint, resume.step)
+
