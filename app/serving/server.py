@@ -159,20 +159,27 @@ def sglang_launch(
     )  # fmt: skip
 
 
-def _run_until_stopped(server: ServerProcess) -> None:
-    """Wait while ``server`` runs; Ctrl-C or SIGTERM stops it (open_engine's exit), an exit of its own is an error."""
+@contextlib.contextmanager
+def _stopped_by_signals():
+    """Ctrl-C or SIGTERM, at any point inside, ends the block quietly (what was started is stopped on the way out)."""
 
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        while (code := server.exited()) is None:
-            time.sleep(0.5)
+        yield
     except KeyboardInterrupt:
-        return
+        pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def _run_until_stopped(server: ServerProcess) -> None:
+    """Wait while ``server`` runs (a signal ends the wait, see `_stopped_by_signals`); an exit of its own is an
+    error."""
+    while (code := server.exited()) is None:
+        time.sleep(0.5)
     raise ServedEngineExited(
         f"the SGLang server exited with code {code}; log {server.log_path}:\n{server.log_tail()}"
     )
@@ -231,7 +238,7 @@ def serve(
         log_dir = Path(tempfile.mkdtemp(prefix="trustbatch-serve-"))
         announce(f"engine: SGLang, starting (log in {log_dir})")
         options = EngineOptions(sglang=SGLangClientConfig(launch=launch), log_dir=log_dir)
-        with open_engine("sglang", model_dir, options) as opened:
+        with _stopped_by_signals(), open_engine("sglang", model_dir, options) as opened:
             server = opened.servers[0]
             announce(f"engine: SGLang ({shlex.join(server.command())})")
             announce(f"OpenAI API at http://{host}:{port}/v1 as model {name!r}")

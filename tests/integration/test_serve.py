@@ -647,6 +647,11 @@ def test_serve_command_with_the_sglang_engine_answers_like_the_builtin_one(
     try:
         url = f"http://127.0.0.1:{port}"
         wait_for_health(process, url, log_path, timeout_s=300, what="SGLang")
+        deadline = time.monotonic() + 120  # serve announces the API once its own health check has passed
+        while f"OpenAI API at {url}/v1" not in log_path.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, log_path.read_text()
+            time.sleep(0.5)
+        assert f"OpenAI API at {url}/v1 as model 'tiny-sglang'" in log_path.read_text()
         with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
             assert [m.id for m in client.models.list().data] == ["tiny-sglang"]
             out = client.completions.create(model="tiny-sglang", prompt="45+38=", max_tokens=8, temperature=0)
