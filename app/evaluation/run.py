@@ -264,30 +264,34 @@ def _counts(samples: list[Sample], num_prompts: int, reducer: Reducer) -> tuple[
 
 class Progress:
     """Completions done of one evaluation, their rate and the time left: a bar on a terminal (stderr), else a log
-    line at most every ``every_s`` seconds and one at the end. Callable with the completions just done, from any
-    thread (the engines report from their own)."""
+    line every ``every_s`` seconds (also while nothing finishes: a slow model's first batch takes minutes) and
+    one at the end. Callable with the completions just done, from any thread (the engines report from theirs)."""
 
     def __init__(self, label: str, total: int, *, every_s: float = 30.0) -> None:
         self.label, self.total, self.every_s = label, total, every_s
         self.done, self.t0 = 0, time.perf_counter()
-        self._last_log = self.t0
         self._lock = threading.Lock()
+        self._stop = threading.Event()
         self._bar = None
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=label, unit="completion", leave=False, dynamic_ncols=True)
+        threading.Thread(target=self._heartbeat, name="eval-progress", daemon=True).start()
 
     def __call__(self, finished: int) -> None:
         with self._lock:
             self.done += finished
             if self._bar is not None:
                 self._bar.update(finished)
-                return
-            now = time.perf_counter()
-            if now - self._last_log >= self.every_s and self.done < self.total:
-                self._last_log = now
-                log.info("%s", self.line())
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(1.0 if self._bar is not None else self.every_s):
+            with self._lock:
+                if self._bar is not None:
+                    self._bar.refresh()  # the elapsed time moves on between updates
+                else:
+                    log.info("%s", self.line())
 
     def line(self) -> str:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
@@ -297,8 +301,10 @@ class Progress:
         return f"{self.label}: {self.done}/{self.total} completions, {rate:.1f}/s, {elapsed:.0f} s{eta}"
 
     def close(self) -> None:
-        if self._bar is not None:
-            self._bar.close()
-        elif self.done:
-            log.info("%s", self.line())
+        self._stop.set()
+        with self._lock:
+            if self._bar is not None:
+                self._bar.close()
+            elif self.done:
+                log.info("%s", self.line())
 

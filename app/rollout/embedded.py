@@ -159,7 +159,7 @@ class EmbeddedEngine:
 
         ``on_step`` (optional) sees every sampled token as it is sampled and may end sequences early (see the
         module docstring); the sampling itself, and so the result for the same seed, does not depend on it
-        except for the sequences it ends. ``progress(k)`` (optional) is told after each batch of k sequences.
+        except for the sequences it ends. ``progress(k)`` (optional) is told each time k more sequences finish.
         """
         prompts = [self._check_prompt(i, p) for i, p in enumerate(prompts)]
         sequences = [i for i in range(len(prompts)) for _ in range(params.n)]  # prompt-major
@@ -180,11 +180,9 @@ class EmbeddedEngine:
                 chunk_prompts = [list(key) for key in distinct]
                 completions.extend(
                     self._generate_chunk(
-                        chunk_prompts, expand, params, stop_ids, generator, version, start, on_step
+                        chunk_prompts, expand, params, stop_ids, generator, version, start, on_step, progress
                     )
                 )
-                if progress is not None:
-                    progress(len(chunk))
         return completions
 
     def update_weights_sync(self, source: WeightSource, version: int) -> None:
@@ -241,6 +239,7 @@ class EmbeddedEngine:
         version: int,
         offset: int = 0,
         on_step: StepCallback | None = None,
+        progress: Callable[[int], None] | None = None,
     ) -> list[Completion]:
         """Sample one sequence per entry of ``expand`` (an index into the distinct ``prompts``).
 
@@ -297,6 +296,8 @@ class EmbeddedEngine:
                     is_stop, finished = is_stop | halt, finished | halt
             lengths[rows[finished]] = step + 1
             stopped[rows[finished & is_stop]] = True
+            if progress is not None and (done := int(finished.sum())):
+                progress(done)
             alive &= ~finished
             live = int(alive.sum())
             if live == 0 or step + 1 == steps:

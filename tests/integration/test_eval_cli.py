@@ -111,6 +111,7 @@ def test_eval_command_on_a_registered_model_writes_json_and_an_mlflow_run(regist
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     print(out.stdout)
+    assert "eval: 48/48 completions, " in out.stderr  # the progress line (8 prompts x 6 samples)
     for fragment in (
         "pass@1",
         "pass@2",

@@ -1,6 +1,7 @@
 """The whole synchronous loop for a few steps: real tiny model, real math-verify, real SQLite MLflow store."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -221,12 +222,18 @@ def test_loop_trains_on_a_user_jsonl_file_with_prompts_and_chat_messages(tmp_pat
     assert (tmp_path / "run" / "checkpoints" / "step-000002" / "model" / "config.json").is_file()
 
 
-def test_async_loop_through_the_cpu_rollout_server_keeps_lag_within_the_bound(tmp_path, tiny_model_dir):
+def test_async_loop_through_the_cpu_rollout_server_keeps_lag_within_the_bound(tmp_path, tiny_model_dir, caplog):
     """The default: rollout.engine=local, max_lag=1. The run starts `trustbatch rollout-server`, generates
     through the SGLang client while it trains, and pushes every version with /update_weights_from_disk."""
     cfg = small_config(tmp_path, tiny_model_dir, "run.steps=4", "eval.greedy=false")
     assert (cfg.rollout.engine, cfg.rollout.max_lag) == ("local", 1)
+    caplog.set_level(logging.INFO, logger="trustbatch")
     summary = run(cfg)
+    # Each held-out evaluation reports its progress, counted as the server's responses arrive.
+    total = summary["eval_samples"]
+    reports = [r.getMessage() for r in caplog.records if r.getMessage().startswith("eval at step")]
+    assert [r.split(": ")[1].split(",")[0] for r in reports] == [f"{total}/{total} completions"] * 3, reports
+    assert [r.split(" (")[0] for r in reports] == ["eval at step 0", "eval at step 2", "eval at step 4"]
     assert summary["steps"] == 4 and summary["max_lag"] == 1
     lags = lag_history(summary)
     assert lags[0] == 0.0 and all(lag <= 1.0 for lag in lags)

@@ -280,3 +280,15 @@ def test_scheduler_stops_when_the_stop_meets_a_request_waking_it(engine):
 
     alive, generated = asyncio.run(scenario())
     assert not alive and not generated  # stopped inside the window: nothing ran
+
+
+def test_progress_counts_each_sequence_as_it_finishes_without_changing_the_samples(engine):
+    params = SamplingParams(max_new_tokens=10, temperature=1.0, n=5, seed=2)
+    small = EmbeddedEngine(engine.model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=4)  # 4 chunks
+    reports: list[int] = []
+    with_progress = small.generate_sync(PROMPTS, params, progress=reports.append)
+    assert sum(reports) == len(PROMPTS) * 5 and all(k >= 1 for k in reports)
+    # Sequences of one chunk finish at different steps, so some chunk reports more than once.
+    assert len(reports) > 4
+    plain = small.generate_sync(PROMPTS, params)
+    assert [c.output_ids for c in with_progress] == [c.output_ids for c in plain]
