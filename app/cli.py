@@ -333,7 +333,7 @@ def eval_model(
         str | None,
         typer.Option(
             help="--engine sglang: interpreter of an environment with SGLang (rollout.sglang.launch.python; "
-            "default: this one), e.g. .venv-sglang/bin/python."
+            "default: that of --config, else this one), e.g. .venv-sglang/bin/python."
         ),
     ] = None,
     on_long_prompt: Annotated[

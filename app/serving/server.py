@@ -142,17 +142,20 @@ def sglang_launch(
     """How `serve` launches SGLang's OpenAI server: one server on ``host:port`` with its own tokenizer (clients
     send text), ``--sglang-args`` passed through, of which ``--tp N`` / ``--tp-size N`` sets the
     tensor-parallel size (the launcher sets that flag itself)."""
-    args, tp_size = shlex.split(extra_args), 1
+    args, tp = shlex.split(extra_args), "1"
     for flag in ("--tp", "--tp-size"):
         for i, arg in enumerate(args):
             if arg == flag and i + 1 < len(args):
-                tp_size = int(args[i + 1])
+                tp = args[i + 1]
                 del args[i : i + 2]
                 break
             if arg.startswith(flag + "="):
-                tp_size = int(arg.split("=", 1)[1])
+                tp = arg.split("=", 1)[1]
                 del args[i]
                 break
+    if not tp.isdigit() or int(tp) < 1:
+        raise ValueError(f"--sglang-args: the tensor-parallel size (--tp) must be a whole number >= 1, got {tp!r}")
+    tp_size = int(tp)
     return SGLangLaunchConfig(
         python=python or "python", host=host, base_port=port, tp_size=tp_size, skip_tokenizer_init=False,
         served_model_name=served_model_name, extra_args=args,

@@ -542,6 +542,8 @@ def test_engine_choice_and_the_sglang_command(tmp_path):
         "--tp-size", "2", "--weight-version", "0", "--dtype", "auto", "--base-gpu-id", "0",
         "--served-model-name", "m", "--log-level", "warning",
     ]  # fmt: skip
+    with pytest.raises(ValueError, match="--tp\\) must be a whole number >= 1, got 'two'"):
+        sglang_launch(host="0.0.0.0", port=30001, served_model_name="m", extra_args="--tp two")
     with pytest.raises(ValueError, match="sets \\['--port'\\], which the launcher sets itself"):
         sglang_launch(host="0.0.0.0", port=30001, served_model_name="m", extra_args="--port 1")
 
