@@ -86,10 +86,6 @@ class OpenEngine:
     client: SGLangClientConfig | None = None
     """The client settings with the servers' URLs (HTTP kinds)."""
 
-    @property
-    def urls(self) -> list[str]:
-        return list(self.client.urls) if self.client is not None else []
-
 
 def resolve_kind(requested: str, *, sglang_python: str | None = None) -> EngineKind:
     """The engine kind a name asks for: a kind, an alias, or ``auto`` (see the module docstring).

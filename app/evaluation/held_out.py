@@ -51,13 +51,13 @@ class HeldOut:
         log_metrics: Callable[[dict[str, float], int], None],
         state: dict | None = None,
     ) -> None:
-        assert settings.temperature is not None and settings.max_new_tokens is not None, "resolve the settings"
+        assert None not in (settings.temperature, settings.top_p, settings.max_new_tokens), "resolve the settings"
         self.settings, self.rows, self.ids = settings, rows, ids
         self.runner, self.decode, self.reducer, self.log_metrics = runner, decode, reducer, log_metrics
         sampled = SamplingParams(
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
-            top_p=settings.top_p if settings.top_p is not None else 1.0,
+            top_p=settings.top_p,
             n=settings.samples_per_prompt,
             stop_token_ids=stop_token_ids,
             seed=settings.seed,
