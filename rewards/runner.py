@@ -2,8 +2,9 @@
 
 ``RewardRunner(cfg).score(inputs, tasks)`` routes each sample by its task to the verifiers whose ``tasks``
 include it, and returns one ``Score`` per sample (reward = weighted sum, breakdown per verifier) and the metrics
-``reward/mean``, ``reward/error_rate``, ``reward/timeout_rate``, ``reward/<verifier>/mean`` and
-``reward/<verifier>/correct``.
+``reward/mean``, ``reward/error_rate``, ``reward/timeout_rate``, ``reward/<verifier>/mean``,
+``reward/<verifier>/correct`` and, for verifiers that report what they extracted (math, code),
+``reward/<verifier>/answer_rate``: the share of samples with an answer found (format compliance).
 
 How failures are contained (a broken completion never stops training):
 - **Exceptions** in a verifier become ``Score(reward=error_reward, error="ExcType: message")``.
@@ -485,6 +486,7 @@ class RewardRunner:
         errors = timeouts = 0
         per_reward: dict[str, list[float]] = {label: [] for label in self.labels}
         per_correct: dict[str, list[bool]] = {label: [] for label in self.labels}
+        per_answered: dict[str, list[bool]] = {label: [] for label in self.labels}
         for sample_scores, plan in zip(raw, plans, strict=True):
             breakdown: dict[str, Any] = {}
             failures: list[str] = []
@@ -501,6 +503,8 @@ class RewardRunner:
                 per_reward[label].append(reward)
                 if s.correct is not None:
                     per_correct[label].append(bool(s.correct))
+                if "extracted" in s.breakdown and not s.error:
+                    per_answered[label].append(s.breakdown["extracted"] is not None)
                 if correct is None and s.correct is not None and not s.error:
                     correct = bool(s.correct)  # the task's first verifier that judges correctness decides
             if failures:
@@ -519,4 +523,6 @@ class RewardRunner:
             if per_reward[label]:
                 metrics[f"reward/{label}/mean"] = sum(per_reward[label]) / len(per_reward[label])
                 metrics[f"reward/{label}/correct"] = sum(per_correct[label]) / len(per_reward[label])
+            if per_answered[label]:  # format compliance: an answer (a boxed number, a code block) was found
+                metrics[f"reward/{label}/answer_rate"] = sum(per_answered[label]) / len(per_answered[label])
         return scores, metrics

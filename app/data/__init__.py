@@ -5,7 +5,8 @@
 - prepare.py: preparing prompts for a model, once per command (`ModelText`: tokenizer and context; `prepare_prompts`:
   tokenize and length-check; `stop_token_ids`);
 - sources.py: `DataConfig`, the registry of built-in tasks (`BUILTIN_TASKS`) and `load_split`;
-- tasks/: the built-in tasks, `builtin:arithmetic` and `builtin:word_problems` (its templates a table).
+- tasks/: the built-in tasks, `builtin:arithmetic`, `builtin:word_problems` and `builtin:python_functions` (the
+  last two with their templates as tables).
 """
 
 from app.data.prepare import limit_prompt_lengths
@@ -24,10 +25,12 @@ from app.data.tasks import (
     WORD_PROBLEM_TEMPLATES,
     ArithmeticConfig,
     Numbers,
+    PythonFunctionsConfig,
     WordProblemsConfig,
     WordProblemTemplate,
     arithmetic_prompts,
     evaluate_expression,
+    python_function_prompts,
     sft_text,
     split_of,
     word_problem_key,
@@ -49,6 +52,7 @@ __all__ = [
     "DatasetError",
     "Numbers",
     "PromptRow",
+    "PythonFunctionsConfig",
     "WordProblemTemplate",
     "WordProblemsConfig",
     "arithmetic_prompts",
@@ -56,6 +60,7 @@ __all__ = [
     "limit_prompt_lengths",
     "load_prompts",
     "load_split",
+    "python_function_prompts",
     "sft_text",
     "split_of",
     "word_problem_key",

@@ -19,10 +19,20 @@ answer a worked solution ending in `#### <number>`. Each becomes a chat row (the
 below and the question as the user turn) whose `answer` is that final number (thousands separators removed); the
 solution text is kept in `metadata.solution`, other keys in `metadata`. A row without a final `#### <number>` is
 an error like any other bad row.
+
+HumanEval files (`data.format=humaneval`, .jsonl or .jsonl.gz): rows `{"task_id", "prompt", "entry_point",
+"test"}` as OpenAI's HumanEval release writes them (`canonical_solution` and other keys are kept in `metadata`).
+Each becomes a chat row asking for the complete function (HUMANEVAL_REQUEST: the signature and docstring in a
+```python block) with one code test, the problem's `test` followed by `check(<entry_point>)`, task `code`. The
+test carries a `prelude`: the prompt's text before `def <entry_point>` (its imports and helper functions), which
+the code verifier runs before the model's program, as HumanEval's own harness runs the prompt before the
+completion. A row missing a field, or whose prompt does not define the entry point, is an error naming the file,
+the line, the field and the fix.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from dataclasses import dataclass, field
@@ -32,7 +42,7 @@ from typing import Any
 from app.sampling import describe
 
 ROLES = ("system", "user", "assistant")
-FILE_EXTENSIONS = (".jsonl", ".parquet")
+FILE_EXTENSIONS = (".jsonl", ".jsonl.gz", ".parquet")
 _KNOWN_KEYS = ("prompt", "messages", "answer", "tests", "task", "id", "metadata")
 _MAX_REPORTED_ERRORS = 20
 
@@ -41,6 +51,11 @@ WORD_PROBLEM_INSTRUCTION = (
     "number in \\boxed{}, for example \\boxed{12}."
 )
 """The system message of every builtin:word_problems row (and of every data.format=gsm8k row)."""
+HUMANEVAL_REQUEST = (
+    "Complete the following Python function.\n\n```python\n{prompt}\n```\n\n"
+    "Answer with the complete function in a ```python block."
+)
+"""The user message of a data.format=humaneval row; {prompt} is the problem's signature and docstring."""
 
 
 class DatasetError(ValueError):
@@ -187,18 +202,25 @@ def _to_row(raw: dict, default_id: str, origin: str = "") -> PromptRow:
 # ---------------------------------------------------------------------------------------------- files
 
 
-FORMATS = ("rows", "gsm8k")
+FORMATS = ("rows", "gsm8k", "humaneval")
+
+
+def file_extension(path: str | Path) -> str | None:
+    """The one of FILE_EXTENSIONS that `path` ends with (".jsonl.gz" before ".jsonl"), else None."""
+    name = Path(path).name
+    return next((ext for ext in sorted(FILE_EXTENSIONS, key=len, reverse=True) if name.endswith(ext)), None)
 
 
 def load_prompts(path: str | Path, format: str = "rows") -> list[PromptRow]:
-    """Read and validate every row of a .jsonl or .parquet file; raise DatasetError listing all bad rows.
+    """Read and validate every row of a .jsonl(.gz) or .parquet file; raise DatasetError listing all bad rows.
 
-    ``format``: "rows" (the row schema above) or "gsm8k" (question / answer rows, see the module
-    doc)."""
+    ``format``: "rows" (the row schema above), "gsm8k" (question / answer rows) or "humaneval" (HumanEval
+    problems), see the module doc."""
     if format not in FORMATS:
         raise ValueError(f"data.format={format!r}: choose one of {list(FORMATS)}")
     path = Path(path)
-    if path.suffix not in FILE_EXTENSIONS:
+    extension = file_extension(path)
+    if extension is None:
         raise DatasetError(
             f"{path}: unsupported file extension {path.suffix!r}; use one of {list(FILE_EXTENSIONS)} "
             f"(or a built-in source such as 'builtin:arithmetic')"
@@ -207,14 +229,16 @@ def load_prompts(path: str | Path, format: str = "rows") -> list[PromptRow]:
         raise DatasetError(
             f"{path}: no such file; check the path (relative paths are from the current directory)"
         )
-    raw_rows = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
+    raw_rows = _read_parquet(path) if extension == ".parquet" else _read_jsonl(path)
     if not raw_rows:
         raise DatasetError(f"{path}: the file has no rows; add at least one prompt row")
-    unit = "line" if path.suffix == ".jsonl" else "row"
+    unit = "row" if extension == ".parquet" else "line"
     rows, errors = [], []
     for number, raw in raw_rows:
         if format == "gsm8k":
             raw, problems = _gsm8k_row(raw)
+        elif format == "humaneval":
+            raw, problems = _humaneval_row(raw)
         else:
             problems = []
         problems = problems or _row_problems(raw)
@@ -269,10 +293,49 @@ def _gsm8k_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
     return row, []
 
 
+def _humaneval_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """A HumanEval problem -> (a row of the row schema, problems); the problems name HumanEval's own fields."""
+    if not isinstance(raw, dict):
+        return raw, [("(row)", f'must be a JSON object {{"task_id", "prompt", "entry_point", "test"}}, got '
+                               f"{describe(raw)}")]  # fmt: skip
+    problems = []
+    for key in ("task_id", "prompt", "entry_point", "test"):
+        value = raw.get(key)
+        if not isinstance(value, str) or not value.strip():
+            problems.append((key, f"must be a non-empty string (data.format=humaneval), got {describe(value)}; "
+                                  f"HumanEval rows hold task_id, prompt, entry_point and test"))  # fmt: skip
+    if problems:
+        return raw, problems
+    entry, prompt, test = raw["entry_point"].strip(), raw["prompt"], raw["test"]
+    if not entry.isidentifier():
+        return raw, [("entry_point", f"must be a Python function name, got {describe(entry)}")]
+    definition = re.search(rf"^def {re.escape(entry)}\s*\(", prompt, re.MULTILINE)
+    if definition is None:
+        return raw, [("prompt", f"does not define the entry point: no line 'def {entry}(' in it; the prompt is "
+                                f"the function's signature and docstring")]  # fmt: skip
+    check = f"{test.rstrip()}\n\n\ncheck({entry})\n"
+    prelude = prompt[: definition.start()]  # imports and helper functions the problem gives
+    try:
+        compile(check, "<test>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as err:
+        return raw, [("test", f"does not compile with check({entry}) appended ({type(err).__name__}: {err})")]
+    metadata = {k: v for k, v in raw.items() if k not in ("task_id", "prompt", "test", "metadata")}
+    metadata.update(raw.get("metadata") if isinstance(raw.get("metadata"), dict) else {})
+    row = {
+        "id": raw["task_id"],
+        "messages": [{"role": "user", "content": HUMANEVAL_REQUEST.format(prompt=prompt.strip("\n"))}],
+        "tests": [{"code": check, "prelude": prelude} if prelude.strip() else {"code": check}],
+        "task": "code",
+        "metadata": metadata,
+    }
+    return row, []
+
+
 def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
-    """(line number, parsed value) for every non-blank line."""
+    """(line number, parsed value) for every non-blank line (of the decompressed text, for .jsonl.gz)."""
     rows = []
-    with path.open(encoding="utf-8") as file:
+    opened = gzip.open(path, "rt", encoding="utf-8") if path.name.endswith(".gz") else path.open(encoding="utf-8")
+    with opened as file:
         try:
             for number, line in enumerate(file, start=1):
                 if not line.strip():
@@ -286,6 +349,8 @@ def _read_jsonl(path: Path) -> list[tuple[int, Any]]:
                     ) from None
         except UnicodeDecodeError as err:
             raise DatasetError(f"{path}: not valid UTF-8 ({err.reason}); save the file as UTF-8") from None
+        except (OSError, EOFError) as err:  # gzip.BadGzipFile is an OSError; a cut-off file ends in EOFError
+            raise DatasetError(f"{path}: not a complete gzip file ({err}); fetch or compress it again") from None
     return rows
 
 

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
-from app.data.rows import FILE_EXTENSIONS, FORMATS, PromptRow, load_prompts
-from app.data.tasks import ArithmeticConfig, WordProblemsConfig, arithmetic_prompts, word_problem_prompts
+from app.data.rows import FILE_EXTENSIONS, FORMATS, DatasetError, PromptRow, file_extension, load_prompts
+from app.data.tasks import (
+    ArithmeticConfig,
+    PythonFunctionsConfig,
+    WordProblemsConfig,
+    arithmetic_prompts,
+    python_function_prompts,
+    word_problem_prompts,
+)
 
 BUILTIN_PREFIX = "builtin:"
 
@@ -31,6 +37,7 @@ class BuiltinTask:
 BUILTIN_TASKS: dict[str, BuiltinTask] = {
     "arithmetic": BuiltinTask(generate=arithmetic_prompts, config_field="arithmetic"),
     "word_problems": BuiltinTask(generate=word_problem_prompts, config_field="word_problems"),
+    "python_functions": BuiltinTask(generate=python_function_prompts, config_field="python_functions"),
 }
 
 
@@ -39,20 +46,25 @@ class DataConfig:
     """Where training and evaluation prompts come from."""
 
     train: str = "builtin:arithmetic"
-    """Training prompts: a .jsonl / .parquet path or builtin:<task> (tasks: arithmetic, word_problems)."""
+    """Training prompts: a .jsonl / .jsonl.gz / .parquet path or builtin:<task> (tasks: arithmetic, word_problems,
+    python_functions)."""
     eval: str = "builtin:arithmetic"
-    """Evaluation prompts: a .jsonl / .parquet path or builtin:<task>; builtin tasks use their test split."""
+    """Evaluation prompts: a .jsonl / .jsonl.gz / .parquet path or builtin:<task>; builtin tasks use their test split."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Settings of the builtin:arithmetic task."""
     word_problems: WordProblemsConfig = field(default_factory=WordProblemsConfig)
     """Settings of the builtin:word_problems task."""
+    python_functions: PythonFunctionsConfig = field(default_factory=PythonFunctionsConfig)
+    """Settings of the builtin:python_functions task (code: rows with assert tests for the `code` verifier)."""
     num_train: int = 20000
     """How many prompts a builtin train source generates (files are used whole)."""
     num_eval: int = 500
     """How many prompts a builtin eval source generates (files are used whole)."""
-    format: Literal["rows", "gsm8k"] = "rows"
-    """Schema of data.train / data.eval files: rows (the row schema of app/data/rows.py) or gsm8k (GSM8K's
-    {"question", "answer": "... #### 42"} rows, posed as chat word problems with a \\boxed{} instruction)."""
+    format: Literal["rows", "gsm8k", "humaneval"] = "rows"
+    """Schema of data.train / data.eval files: rows (the row schema of app/data/rows.py), gsm8k (GSM8K's
+    {"question", "answer": "... #### 42"} rows, posed as chat word problems with a \\boxed{} instruction) or
+    humaneval (HumanEval's {"task_id", "prompt", "entry_point", "test"} rows, .jsonl or .jsonl.gz: the function
+    asked for in a chat request, graded by the code verifier with the problem's check())."""
     on_long_prompt: Literal["error", "drop"] = "error"
     """A prompt whose tokens (as the rollout engines get them: the chat template applied to `messages` rows)
     leave fewer than rollout.max_new_tokens positions in the model's context (max_position_embeddings).
@@ -69,7 +81,7 @@ class DataConfig:
                         f"data.{key}={source!r}: unknown built-in task {name!r}; choose one of "
                         f"{[BUILTIN_PREFIX + t for t in BUILTIN_TASKS]} or give a .jsonl / .parquet path"
                     )
-            elif Path(source).suffix not in FILE_EXTENSIONS:
+            elif file_extension(source) is None:
                 raise ValueError(
                     f"data.{key}={source!r} is neither builtin:<task> nor a path ending in "
                     f"{' / '.join(FILE_EXTENSIONS)}; e.g. data.{key}=builtin:arithmetic or data.{key}=prompts.jsonl"
@@ -90,6 +102,11 @@ def load_split(cfg: DataConfig, split: Literal["train", "eval"]) -> list[PromptR
         return load_prompts(source, cfg.format)
     task = BUILTIN_TASKS[source[len(BUILTIN_PREFIX) :]]
     task_cfg = getattr(cfg, task.config_field)
-    if split == "train":
-        return task.generate(task_cfg, "train", cfg.num_train)
-    return task.generate(task_cfg, "test", cfg.num_eval)
+    try:  # too many prompts asked of a split, a template that fails its own check: a dataset error, not a crash
+        if split == "train":
+            return task.generate(task_cfg, "train", cfg.num_train)
+        return task.generate(task_cfg, "test", cfg.num_eval)
+    except DatasetError:
+        raise
+    except ValueError as e:
+        raise DatasetError(f"data.{split}={source}: {e}") from e

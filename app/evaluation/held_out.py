@@ -4,7 +4,8 @@
 (app/training/loop.py). Each call samples ``eval.samples_per_prompt`` completions of every held-out prompt at the
 evaluation temperature (sampled pass@1, and pass@k up to ``eval.k``) and, with ``eval.greedy``, one greedy
 completion (greedy accuracy), through `sample_and_score` like `trustbatch eval`; it logs the metrics and keeps
-each result, so the run's summary can pair the first and the last evaluation prompt by prompt.
+each result, so the run's summary can pair the first and the last evaluation prompt by prompt. Each evaluation's
+completions are written to ``<run dir>/eval/step-<step>-<sampled|greedy>.jsonl``, to read what the model wrote.
 
 ``generate`` is a blocking call (the loop hands it one that submits to the fleet on the event loop), because
 evaluation runs in a worker thread while rollouts of the next steps go on. Under torchrun every rank samples its
@@ -13,9 +14,11 @@ share of the prompts; the counts are summed over ranks.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 from app.data import PromptRow
 from app.evaluation.config import EvalConfig
@@ -50,10 +53,14 @@ class HeldOut:
         reducer: Reducer,
         log_metrics: Callable[[dict[str, float], int], None],
         state: dict | None = None,
+        samples_dir: Path | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
         assert None not in (settings.temperature, settings.top_p, settings.max_new_tokens), "resolve the settings"
         self.settings, self.rows, self.ids = settings, rows, ids
         self.runner, self.decode, self.reducer, self.log_metrics = runner, decode, reducer, log_metrics
+        self.samples_dir, self.rank, self.world_size = samples_dir, rank, world_size
         sampled = SamplingParams(
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
@@ -98,9 +105,27 @@ class HeldOut:
             if greedy.answer_rate is not None:
                 out["eval/greedy_answer_rate"] = greedy.answer_rate
         out["timing/eval"] = time.perf_counter() - t0
+        if self.samples_dir is not None:
+            self.write_samples(step)
         self.log_metrics(out, step)
         self.history.append(out)
         return out
+
+    def write_samples(self, step: int) -> None:
+        """Every completion of this rank's share of evaluation `step`, one JSON line each, to read what the
+        model wrote: ``<samples_dir>/step-<step>-<sampled|greedy>[-rank<r>].jsonl`` (prompt id, text, reward,
+        correct, finish reason, error, the verifiers' breakdown)."""
+        self.samples_dir.mkdir(parents=True, exist_ok=True)
+        suffix = f"-rank{self.rank}" if self.world_size > 1 else ""
+        for name, result in self.results[step].items():
+            lines = [
+                json.dumps(
+                    {"prompt": self.rows[s.prompt].id, **s.record(), "breakdown": s.score.breakdown}, default=str
+                )
+                for s in result.samples
+            ]
+            path = self.samples_dir / f"step-{step:06d}-{name}{suffix}.jsonl"
+            path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
 
     def state(self) -> dict:
         """What a checkpoint keeps so that a resumed run reports the same gains and plot."""

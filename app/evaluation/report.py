@@ -63,6 +63,11 @@ def metrics(result: EvalResult) -> dict[str, float]:
     return out
 
 
+def _per_s(rate: float) -> str:
+    """Whole numbers from 10 up, two decimals below (a real model on CPU: 0.26 completions/s, not 0)."""
+    return f"{rate:.0f}" if rate >= 10 else f"{rate:.2f}"
+
+
 def to_json(result: EvalResult) -> dict:
     """Every prompt with its completions, verdicts and pass@k, and the summary (what ``--out`` writes)."""
     assert result.settings is not None and result.model is not None
@@ -99,16 +104,7 @@ def to_json(result: EvalResult) -> dict:
                 "samples": result.n,
                 "correct": result.correct[i],
                 "pass_at": {str(k): r.per_prompt[i] for k, r in passes.items()},
-                "completions": [
-                    {
-                        "text": s.text,
-                        "correct": s.correct,
-                        "reward": float(s.score.reward),
-                        "finish_reason": s.completion.finish_reason,
-                        "error": s.score.error,
-                    }
-                    for s in group
-                ],
+                "completions": [s.record() for s in group],
             }
             for i, (row, group) in enumerate(zip(result.rows, result.by_prompt, strict=True))
         ],
@@ -182,7 +178,7 @@ def results_table(result: EvalResult):
     t = timings(result)
     footer = Text(
         f"pass@k = 1 - C(n-c,k)/C(n,k) per prompt, averaged; s.e. clustered by prompt. Sampling "
-        f"{t['generate_s']:.1f} s ({t['completions_per_s']:.0f} completions/s), scoring {t['score_s']:.1f} s.",
+        f"{t['generate_s']:.1f} s ({_per_s(t['completions_per_s'])} completions/s), scoring {t['score_s']:.1f} s.",
         style="dim",
     )
     return Group(header, table, footer)

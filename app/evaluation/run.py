@@ -67,6 +67,16 @@ class Sample:
     def correct(self) -> bool:
         return bool(self.score.correct) and self.score.error is None
 
+    def record(self) -> dict:
+        """The completion as JSON: text, verdict, reward, finish reason, error (eval's --out, training's eval/)."""
+        return {
+            "text": self.text,
+            "correct": self.correct,
+            "reward": float(self.score.reward),
+            "finish_reason": self.completion.finish_reason,
+            "error": self.score.error,
+        }
+
     @property
     def answered(self) -> bool | None:
         """Whether a verifier found an answer to judge (math: one in a form of params.extraction, e.g. a
@@ -154,6 +164,14 @@ class EvalResult:
     @property
     def mean_completion_tokens(self) -> float:
         return sum(len(s.completion.output_ids) for s in self.samples) / max(len(self.samples), 1)
+
+    @property
+    def truncated_rate(self) -> float | None:
+        """Share of this rank's completions cut at max_new_tokens (None for a result restored from a
+        checkpoint, which keeps no samples)."""
+        if not self.samples:
+            return None
+        return sum(s.completion.finish_reason == "length" for s in self.samples) / len(self.samples)
 
     def state(self) -> dict:
         """What a training checkpoint keeps of it (a resumed run reports the same gains and plot)."""
@@ -296,8 +314,12 @@ class Progress:
     def line(self) -> str:
         elapsed = max(time.perf_counter() - self.t0, 1e-9)
         rate = self.done / elapsed
-        left = (self.total - self.done) / rate if rate > 0 else float("nan")
-        eta = f", about {left:.0f} s left" if self.done < self.total else ""
+        if self.done >= self.total:
+            eta = ""
+        elif rate > 0:
+            eta = f", about {(self.total - self.done) / rate:.0f} s left"
+        else:  # an engine that reports whole batches: no estimate until the first one returns
+            eta = ", time left unknown until the first completions return"
         return f"{self.label}: {self.done}/{self.total} completions, {rate:.1f}/s, {elapsed:.0f} s{eta}"
 
     def close(self) -> None:

@@ -290,6 +290,10 @@ def finish(
     rows, counters = history.rows, history.counters
     before, after = held_out.results[0], held_out.results[last]
     gain, gain_se = paired_gain(before["sampled"].per_prompt, after["sampled"].per_prompt)
+    greedy = "greedy" in before and "greedy" in after
+    greedy_gain, greedy_gain_se = (
+        paired_gain(before["greedy"].per_prompt, after["greedy"].per_prompt) if greedy else (None, None)
+    )
     lags = [h["rollout/policy_lag/mean"] for h in rows]
     summary = {
         "initial_accuracy": before["sampled"].accuracy,
@@ -302,6 +306,10 @@ def finish(
         "eval_samples": before["sampled"].num_samples,
         "initial_greedy_accuracy": before["greedy"].accuracy if "greedy" in before else None,
         "final_greedy_accuracy": after["greedy"].accuracy if "greedy" in after else None,
+        "greedy_accuracy_gain": greedy_gain,
+        "greedy_accuracy_gain_se": greedy_gain_se,
+        "initial_truncated_rate": before["sampled"].truncated_rate,
+        "final_truncated_rate": after["sampled"].truncated_rate,
         "initial_answer_rate": before["sampled"].answer_rate,
         "final_answer_rate": after["sampled"].answer_rate,
         "initial_greedy_answer_rate": before["greedy"].answer_rate if "greedy" in before else None,
@@ -352,6 +360,14 @@ def rate(per_s: float) -> str:
     return f"{per_s:.0f}" if per_s >= 10 else f"{per_s:.2f}"
 
 
+def _gain(gain: float | None, se: float | None) -> str:
+    """`  (gain +x ± y points, z SE)`, or nothing when there is no paired gain."""
+    if gain is None or se is None:
+        return ""
+    z = f", {gain / se:.1f} SE" if se else ""
+    return f"  (gain {100 * gain:+.2f} ± {100 * se:.2f} points{z})"
+
+
 def summary_lines(summary: dict) -> list[str]:
     """What `trustbatch train` prints at the end."""
 
@@ -365,13 +381,22 @@ def summary_lines(summary: dict) -> list[str]:
         f"  (gain {100 * summary['accuracy_gain']:+.2f} ± {100 * se:.2f} points, {z:.1f} SE;"
         f" {summary['eval_samples']} samples each)",
         f"held-out greedy accuracy: {pct(summary['initial_greedy_accuracy'])} → "
-        f"{pct(summary['final_greedy_accuracy'])}",
+        f"{pct(summary['final_greedy_accuracy'])}" + _gain(summary.get("greedy_accuracy_gain"),
+                                                          summary.get("greedy_accuracy_gain_se")),  # fmt: skip
         *(
             [
                 f"held-out answer found (format), sampled: {pct(summary['initial_answer_rate'])} → "
                 f"{pct(summary['final_answer_rate'])}"
             ]
             if summary.get("initial_answer_rate") is not None
+            else []
+        ),
+        *(
+            [
+                f"held-out completions cut at max_new_tokens, sampled: {pct(summary['initial_truncated_rate'])} → "
+                f"{pct(summary['final_truncated_rate'])}"
+            ]
+            if summary.get("initial_truncated_rate") is not None and summary.get("final_truncated_rate") is not None
             else []
         ),
         f"{summary['steps']} steps, {rate(summary['samples_per_s'])} samples/s (max_lag {summary['max_lag']}"

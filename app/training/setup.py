@@ -215,6 +215,9 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         reducer=reducer,
         log_metrics=tracker.log_metrics,
         state=resume.state,
+        samples_dir=cfg.run.path / "eval",
+        rank=dist.rank,
+        world_size=dist.world_size,
     )
     return Parts(
         cfg=cfg,

@@ -43,11 +43,14 @@ def rollout_server_children() -> list[int]:
 
 
 class Saboteur(threading.Thread):
-    """Once `trigger` exists, send `sig` to the run's rollout server (once); records what it did."""
+    """Once `trigger` exists, send `sig` to the run's rollout server (once); records what it did.
 
-    def __init__(self, trigger: Path, sig: int, pid_of=rollout_server_children):
+    With `freeze_s`, the server is first frozen (SIGSTOP) for that long, so that the run's next request is sent
+    and left in flight, and then gets `sig`: a kill then always loses a request, whatever the timing."""
+
+    def __init__(self, trigger: Path, sig: int, pid_of=rollout_server_children, freeze_s: float = 0.0):
         super().__init__(daemon=True)
-        self.trigger, self.sig, self.pid_of = trigger, sig, pid_of
+        self.trigger, self.sig, self.pid_of, self.freeze_s = trigger, sig, pid_of, freeze_s
         self.hit: int | None = None
         self.stop_event = threading.Event()
 
@@ -56,6 +59,9 @@ class Saboteur(threading.Thread):
             if self.trigger.exists():
                 pids = self.pid_of()
                 if pids:
+                    if self.freeze_s:
+                        os.kill(pids[0], signal.SIGSTOP)
+                        time.sleep(self.freeze_s)
                     os.kill(pids[0], self.sig)
                     self.hit = pids[0]
                     return
@@ -78,7 +84,8 @@ FAILURE_CONFIG = [
 
 def test_a_killed_rollout_server_is_restarted_and_the_run_finishes(tmp_path, tiny_model_dir):
     cfg = small_config(tmp_path, tiny_model_dir, *FAILURE_CONFIG)
-    saboteur = Saboteur(tmp_path / "run" / "weights" / "v2", signal.SIGKILL)
+    # Frozen for 1 s first, so a request is in flight when it dies (a kill between two requests loses none).
+    saboteur = Saboteur(tmp_path / "run" / "weights" / "v2", signal.SIGKILL, freeze_s=1.0)
     saboteur.start()
     try:
         summary = run(cfg)

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from app.config import load_config
 from app.training.lag import PATIENCE
 from app.training.loop import run
+from app.training.records import summary_lines
 
 from .conftest import REPO, TINY_DATA
 
@@ -52,6 +53,10 @@ def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
         "eval_samples",
         "initial_greedy_accuracy",
         "final_greedy_accuracy",
+        "greedy_accuracy_gain",
+        "greedy_accuracy_gain_se",
+        "initial_truncated_rate",
+        "final_truncated_rate",
         "steps",
         "samples_per_s",
         "wall_s",
@@ -63,6 +68,17 @@ def test_loop_trains_tracks_and_checkpoints(tmp_path, tiny_model_dir):
     assert 0.0 <= on_disk["final_accuracy"] <= 1.0
     assert (run_dir / "training.png").stat().st_size > 1000
     assert load_config(run_dir / "config.yaml") == cfg
+    # Every evaluation's completions, to read: 24 prompts x 2 samples and one greedy each, at steps 0, 2 and 3.
+    written = sorted(p.name for p in (run_dir / "eval").iterdir())
+    assert written == [f"step-{s:06d}-{n}.jsonl" for s in (0, 2, 3) for n in ("greedy", "sampled")]
+    sampled = [json.loads(line) for line in (run_dir / "eval" / "step-000003-sampled.jsonl").read_text().splitlines()]
+    assert len(sampled) == 24 * 2 and {"prompt", "text", "reward", "correct", "breakdown"} <= set(sampled[0])
+    assert sum(s["correct"] for s in sampled) == round(on_disk["final_accuracy"] * 48)
+    truncated = sum(s["finish_reason"] == "length" for s in sampled) / len(sampled)
+    assert on_disk["final_truncated_rate"] == pytest.approx(truncated)
+    lines = summary_lines(on_disk)
+    assert any(line.startswith("held-out greedy accuracy: ") and "  (gain " in line for line in lines), lines
+    assert any(line.startswith("held-out completions cut at max_new_tokens, sampled: ") for line in lines)
 
     # MLflow: params, a metric per step, the eval steps, the config and the final model as artifacts.
     client = MlflowClient(tracking_uri=summary["tracking_uri"])

@@ -1,14 +1,16 @@
 """Assert-style code tests cannot be passed by exiting: a test passes only on the in-sandbox grader's own verdict.
 
 Each hack below earned reward 1.0 against ``assert add(2, 3) == 5`` when a test passed on exit status 0. Every
-one runs on each sandbox backend this machine has, beside correct programs as controls (so a grader that
-rejects everything fails here too).
+one runs on each sandbox backend this machine has, with a completion's tests in one grader run (the default),
+beside correct programs as controls (so a grader that rejects everything fails here too); on bubblewrap, one run
+per test (`batch_tests: false`) must grade every case alike.
 """
 
 import pytest
 
 from rewards import VerifierInput
 from rewards.code import CodeVerifier, CodeVerifierConfig
+from sandbox import available_backends
 
 TESTS = [{"code": "assert add(2, 3) == 5"}]
 THREE_LINES = [{"code": "assert add(1, 2) == 3\nassert add(2, 2) == 4\nassert add(0, 0) == 0"}]
@@ -144,3 +146,55 @@ def test_partial_credit_still_counts_each_test(verify):
 def test_bad_references_are_errors_not_passes(verify, tests):
     result = score(verify, CORRECT["plain"], tests)
     assert result.reward == 0.0 and result.correct is None and "bad tests" in result.error
+
+
+THREE_TESTS = [{"code": "assert add(1, 1) == 2"}, {"code": "assert add(2, 2) == 4"}, {"code": "assert add(3, 3) == 6"}]
+
+
+@pytest.mark.parametrize(
+    ("program", "why"),
+    [
+        ("import os\ndef add(a, b):\n    if a == 2:\n        os._exit(0)\n    return a + b", "early_exit"),
+        ("import time\ndef add(a, b):\n    if a == 2:\n        time.sleep(60)\n    return a + b", "timeout"),
+    ],
+    ids=["exits in the second test", "hangs in the second test"],
+)
+def test_a_run_that_ends_mid_batch_keeps_earlier_passes_and_fails_the_rest(backend, program, why):
+    verify = CodeVerifier(CodeVerifierConfig(backend=backend, wall_s=1.0, cpu_s=1.0))
+    result = score(verify, program, THREE_TESTS)
+    assert result.reward == pytest.approx(1 / 3) and result.correct is False and result.error is None, result
+    assert [(f["test"], f["why"]) for f in result.breakdown["failed"]] == [(1, why), (2, why)]
+
+
+def test_each_failed_test_reports_its_own_error_and_the_next_test_still_runs(backend):
+    verify = CodeVerifier(CodeVerifierConfig(backend=backend))
+    program = "def add(a, b):\n    if a == 1:\n        raise ValueError('one is bad')\n    return a + b"
+    result = score(verify, program, THREE_TESTS)
+    assert result.reward == pytest.approx(2 / 3)
+    [failure] = result.breakdown["failed"]
+    assert failure["test"] == 0 and failure["why"] == "error" and "ValueError: one is bad" in failure["detail"]
+
+
+def test_fail_fast_stops_a_batch_at_the_first_failure(backend):
+    verify = CodeVerifier(CodeVerifierConfig(backend=backend, fail_fast=True))
+    program = "def add(a, b):\n    return 2"  # passes the first test only
+    result = score(verify, program, THREE_TESTS)
+    assert result.reward == pytest.approx(1 / 3) and result.breakdown["num_failed"] == 2
+    assert [f["test"] for f in result.breakdown["failed"]] == [1]  # the third never ran
+
+
+@pytest.mark.parametrize(
+    "program", list(CORRECT.values()) + list(HACKS.values()), ids=list(CORRECT) + list(HACKS)
+)
+def test_one_run_per_test_grades_every_case_as_the_batched_grader_does(program):
+    """The same grader program either way; checked on bubblewrap (Docker's start-up per run makes it slow)."""
+    reason = available_backends()["bwrap"]
+    if reason is not None:
+        pytest.skip(f"bwrap backend unavailable: {reason}")
+    tests = THREE_LINES if "tracer" in program else TWO_TESTS
+    results = [
+        score(CodeVerifier(CodeVerifierConfig(backend="bwrap", wall_s=5.0, cpu_s=5.0, batch_tests=batch)), program, tests)
+        for batch in (True, False)
+    ]
+    batched, each = ((r.reward, r.correct, r.error, [f["why"] for f in r.breakdown["failed"]]) for r in results)
+    assert batched == each

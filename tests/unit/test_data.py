@@ -329,7 +329,7 @@ def test_data_config_is_omegaconf_structured():
     assert cfg.num_train == 10 and asdict(cfg.arithmetic)["max_ops"] == 2
     with pytest.raises(ValueError, match=r"data\.arithmetic\.max_ops"):
         OmegaConf.to_object(OmegaConf.merge(merged, OmegaConf.from_dotlist(["arithmetic.max_ops=0"])))
-    assert set(BUILTIN_TASKS) == {"arithmetic", "word_problems"}
+    assert set(BUILTIN_TASKS) == {"arithmetic", "word_problems", "python_functions"}
 
 
 @pytest.mark.parametrize(
@@ -399,3 +399,19 @@ def test_gsm8k_rows_without_a_final_number_are_reported_with_their_lines(tmp_pat
     assert "line 5: field '(row)' must be a JSON object" in message
     with pytest.raises(ValueError, match="data.format='gsm'"):
         DataConfig(format="gsm")
+
+
+def test_jsonl_gz_files_are_read_like_jsonl_and_named_in_config_checks(tmp_path):
+    import gzip
+
+    plain = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}])
+    packed = tmp_path / "p.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    rows = load_prompts(packed)
+    assert [r.answer for r in rows] == ["2", "4"] and rows[1].origin == f"{packed}: line 2"
+    cfg = DataConfig(train=str(packed), eval=str(packed))
+    assert len(load_split(cfg, "train")) == 2
+    with pytest.raises(ValueError, match=r"\.jsonl / \.jsonl\.gz / \.parquet"):
+        DataConfig(train=str(tmp_path / "p.json.gz"))
+    with pytest.raises(DatasetError, match="unsupported file extension"):
+        load_prompts(tmp_path / "p.gz")

@@ -36,3 +36,11 @@ def test_the_line_gives_the_rate_and_the_time_left():
     line = progress.line()
     progress.close()
     assert line.startswith("eval: 25/100 completions, 2.5/s, 10 s, about 30 s left")
+
+
+def test_before_anything_returns_the_line_says_the_time_left_is_unknown_not_nan():
+    progress = Progress("eval", total=800, every_s=60)
+    progress.t0 -= 90.0  # an engine that reports whole batches: nothing back after 90 s
+    line = progress.line()
+    progress.close()
+    assert line == "eval: 0/800 completions, 0.0/s, 90 s, time left unknown until the first completions return"

@@ -66,10 +66,11 @@ def evaluate_expression(expr: str) -> int:
     return total
 
 
-def split_of(expr: str) -> Literal["train", "test"]:
-    """The split an expression belongs to: a stable hash of its text (SHA-256), 1 in TEST_FRACTION is test."""
+def split_of(expr: str, test_fraction: int = TEST_FRACTION) -> Literal["train", "test"]:
+    """The split a problem belongs to: a stable hash of its canonical text (SHA-256), 1 in `test_fraction` is
+    test."""
     digest = hashlib.sha256(expr.encode("utf-8")).digest()
-    return "test" if int.from_bytes(digest[:8], "big") % TEST_FRACTION == 0 else "train"
+    return "test" if int.from_bytes(digest[:8], "big") % test_fraction == 0 else "train"
 
 
 def arithmetic_prompts(cfg: ArithmeticConfig, split: Literal["train", "test"], n: int) -> list[PromptRow]:

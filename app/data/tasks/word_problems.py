@@ -16,6 +16,7 @@ from typing import Literal
 
 from app.data.rows import WORD_PROBLEM_INSTRUCTION, PromptRow
 from app.data.tasks.arithmetic import split_of
+from app.data.tasks.pools import draw_problems
 from app.data.tasks.word_problem_templates import WORD_PROBLEM_TEMPLATES, Numbers, WordProblemTemplate
 
 _MAX_DISTRACTORS = min(len(t.distractors) for t in WORD_PROBLEM_TEMPLATES.values())
@@ -127,19 +128,8 @@ def word_problem_prompts(cfg: WordProblemsConfig, split: Literal["train", "test"
             f"data.word_problems.min_ops / max_ops, or lower data.num_train / data.num_eval"
         )
     rng = random.Random(f"word_problems:{cfg.seed}:{split}")
-    taken = [0] * len(pools)
-    moved: list[dict[int, int]] = [{} for _ in pools]  # a lazy Fisher-Yates shuffle of each pool
-    open_templates = [i for i, pool in enumerate(pools) if pool]
     rows: list[PromptRow] = []
-    while len(rows) < n:
-        i = rng.choice(open_templates)
-        k, size = taken[i], len(pools[i])
-        j = rng.randrange(k, size)
-        index = moved[i].get(j, j)
-        moved[i][j] = moved[i].get(k, k)
-        taken[i] = k + 1
-        if taken[i] == size:
-            open_templates.remove(i)
+    for i, index in itertools.islice(draw_problems([len(pool) for pool in pools], rng), n):
         row_id = f"word_problems-{split}-{len(rows)}"
         rows.append(_word_problem_row(templates[i], dict(pools[i][index]), cfg, rng, row_id))
     return rows
