@@ -95,6 +95,37 @@ def train(
 
 
 @app.command()
+def sft(
+    config: Annotated[Path, typer.Argument(help="YAML config file (see configs/smollm2-sft.yaml).")],
+    overrides: Overrides = None,
+) -> None:
+    """Supervised fine-tuning (the `sft` section; data, optim, trainer, checkpoint, tracking as in `train`).
+
+    Rows: chats whose last message is the assistant's, prompt + completion rows, or a built-in task (its worked
+    solutions). Checkpoints are registered MLflow model versions; the last one is what `train` takes as
+    model.path. Under torchrun the model is sharded with FSDP2."""
+    from app.config import ConfigError, check_trainable
+    from app.data import DatasetError
+
+    cfg = _load(config, overrides)
+    try:
+        check_trainable(cfg)
+    except ConfigError as exc:
+        _fail(str(exc))
+    _setup_logging()
+    from app.training.sft import run_sft, summary_lines
+
+    try:
+        summary = run_sft(cfg)
+    except (DatasetError, ConfigError) as exc:
+        _fail(str(exc))
+    if summary:
+        for line in summary_lines(summary):
+            typer.echo(line)
+        typer.echo(f"run directory: {cfg.run.path} (summary.json, config.yaml, checkpoints/)")
+
+
+@app.command()
 def bootstrap(
     config: ConfigArg = None,
     overrides: Overrides = None,

@@ -32,6 +32,7 @@ from trainer.checkpoint import CheckpointConfig
 from trainer.model import TinyModelConfig
 from trainer.objective import ObjectiveConfig
 from trainer.optim import OptimConfig
+from trainer.sft import SFTConfig
 from trainer.step import TrainerConfig
 
 
@@ -71,8 +72,9 @@ class RunConfig:
 
 
 @dataclass
-class SFTConfig:
-    """Warm-start supervised fine-tune of a freshly built tiny model (`trustbatch bootstrap`)."""
+class WarmStartConfig:
+    """Warm-start supervised fine-tune of a freshly built tiny model (`trustbatch bootstrap`), run by
+    `trustbatch sft`'s loop; `trustbatch sft` itself is configured by the top-level ``sft`` section."""
 
     steps: int = 600
     """Optimizer steps of supervised fine-tuning."""
@@ -94,7 +96,9 @@ class SFTConfig:
 @dataclass
 class ModelConfig:
     path: str = ""
-    """A local Hugging Face causal-LM directory, or a hub id where a hub is reachable. Required to train."""
+    """A local Hugging Face causal-LM directory, a model in the MLflow store (models:/NAME@ALIAS,
+    models:/NAME/VERSION, runs:/RUN_ID/PATH: e.g. what `trustbatch sft` registered, fetched into the cache), or a
+    hub id where a hub is reachable. Required to train."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype for training and rollouts."""
     bootstrap: bool = False
@@ -102,7 +106,7 @@ class ModelConfig:
     supervised fine-tune on data.train (model.sft) and save it at `path` before training."""
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
     """Architecture of the tiny offline model that `bootstrap` builds."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Warm-start fine-tune used by `bootstrap`."""
 
     def __post_init__(self) -> None:
@@ -240,6 +244,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    """`trustbatch sft` (supervised fine-tuning; ignored by `train`)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     resume: str = ""
     """Continue an interrupted run: its run directory or its MLflow run id. Training restarts from its last
@@ -306,20 +312,23 @@ def _check_trainable(config: Config) -> None:
             "config key `model.path` is empty: set it to a local Hugging Face model directory "
             "(or model.bootstrap=true with a path to build the tiny offline model there)"
         )
-    local = Path(path)
-    if local.exists() and not (local / "config.json").is_file():
+    if path.startswith(("models:/", "runs:/")):  # a model in the MLflow store: looked up when the run starts
+        local = None
+    else:
+        local = Path(path)
+    if local is not None and local.exists() and not (local / "config.json").is_file():
         what = "a directory without config.json" if local.is_dir() else "a file"
         raise ConfigError(
             f"model.path={path!r} is {what}, not a Hugging Face model directory: point it at a directory "
             "written by save_pretrained (config.json + *.safetensors + tokenizer files), or at a path that does "
             "not exist yet with model.bootstrap=true to build the tiny offline model there"
         )
-    if not local.exists() and not config.model.bootstrap and _looks_like_local_path(path):
+    if local is not None and not local.exists() and not config.model.bootstrap and _looks_like_local_path(path):
         raise ConfigError(
             f"model.path={path!r} does not exist: point it at a Hugging Face model directory, or set "
             "model.bootstrap=true to build the tiny offline model there"
         )
-    if not local.exists() and config.model.bootstrap:
+    if local is not None and not local.exists() and config.model.bootstrap:
         problem = writable_dir_problem(local)
         if problem:
             raise ConfigError(

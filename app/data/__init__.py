@@ -31,10 +31,10 @@ from app.data.tasks import (
     arithmetic_prompts,
     evaluate_expression,
     python_function_prompts,
-    sft_text,
     split_of,
     word_problem_key,
     word_problem_prompts,
+    worked_solution,
 )
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
     "load_prompts",
     "load_split",
     "python_function_prompts",
-    "sft_text",
+    "worked_solution",
     "split_of",
     "word_problem_key",
     "word_problem_prompts",

@@ -8,7 +8,11 @@ Row schema (one JSON object per JSONL line, or one Parquet row; `null` / a missi
 - `task` (optional): a non-empty string routing the row to a verifier. Default: "code" when `tests` is given,
   else "math";
 - `id` (optional): a string or integer; default "<file name>:<row number>";
-- `metadata` (optional): an object; every other key of the row is added to it, so nothing is lost.
+- `metadata` (optional): an object; every other key of the row is added to it, so nothing is lost;
+- `completion` (optional): a string, the reply to learn for supervised fine-tuning (`trustbatch sft`). A chat
+  whose last message is the assistant's gives it that way instead: the last message becomes `completion`, and
+  the messages before it the prompt. RL and evaluation ignore it. For `trustbatch sft` (``purpose="sft"``) a
+  completion is required and `answer`/`tests` are optional (they are needed only to verify held-out samples).
 Every string of a row (keys included) must be valid Unicode text: a JSON escape of half a surrogate pair
 (`"\\ud800"`) is rejected, since no tokenizer, log or MLflow store can take it.
 A bad row raises `DatasetError` naming the file, the 1-based row number (the line number for JSONL), the field
@@ -37,13 +41,13 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from app.sampling import describe
 
 ROLES = ("system", "user", "assistant")
 FILE_EXTENSIONS = (".jsonl", ".jsonl.gz", ".parquet")
-_KNOWN_KEYS = ("prompt", "messages", "answer", "tests", "task", "id", "metadata")
+_KNOWN_KEYS = ("prompt", "messages", "answer", "tests", "task", "id", "metadata", "completion")
 _MAX_REPORTED_ERRORS = 20
 
 WORD_PROBLEM_INSTRUCTION = (
@@ -75,10 +79,17 @@ class PromptRow:
     metadata: dict = field(default_factory=dict)
     origin: str = field(default="", compare=False)
     """Where the row came from, for messages: "<file>: line <n>" (JSONL), "<file>: row <n>" (Parquet)."""
+    completion: str | None = None
+    """The reply supervised fine-tuning learns (a worked solution, the assistant's turn); None if the row has
+    none. Sampling never sees it."""
 
 
-def _row_problems(row: Any) -> list[tuple[str, str]]:
-    """(field, problem-and-fix) pairs for a raw row; empty when the row is valid."""
+Purpose = Literal["rl", "sft"]
+
+
+def _row_problems(row: Any, purpose: Purpose = "rl") -> list[tuple[str, str]]:
+    """(field, problem-and-fix) pairs for a raw row; empty when the row is valid for ``purpose``: RL and
+    evaluation need a reference (answer or tests), SFT a completion (`completion`, or a last assistant turn)."""
     if not isinstance(row, dict):
         return [("row", f"is a {type(row).__name__}, not an object; write one JSON object per line")]
     problems = []
@@ -91,8 +102,24 @@ def _row_problems(row: Any) -> list[tuple[str, str]]:
         problems.append(("prompt", f"must be a non-empty string, got {describe(prompt)}"))
     if messages is not None:
         problems += _message_problems(messages)
-    answer, tests = row.get("answer"), row.get("tests")
-    if answer is None and tests is None:
+    answer, tests, completion = row.get("answer"), row.get("tests"), row.get("completion")
+    if completion is not None and (not isinstance(completion, str) or not completion.strip()):
+        problems.append(("completion", f"must be a non-empty string, got {describe(completion)}"))
+    last_is_assistant = (
+        isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict)
+        and messages[-1].get("role") == "assistant"
+    )  # fmt: skip
+    if completion is not None and last_is_assistant:
+        problems.append(("completion", "is given and the messages also end with an assistant turn; keep one"))
+    if last_is_assistant and len(messages) == 1:
+        problems.append(("messages", "hold only an assistant turn; add the user turn it answers"))
+    if purpose == "sft" and completion is None and not last_is_assistant:
+        problems.append((
+            "completion",
+            'is missing: an SFT row needs the reply to learn; end "messages" with an {"role": "assistant", '
+            '"content": ...} turn, or add "completion": "..." to a prompt row',
+        ))  # fmt: skip
+    if purpose == "rl" and answer is None and tests is None:
         problems.append(
             ("answer/tests", 'neither is given; add "answer": "..." (math) or "tests": [...] (code)')
         )
@@ -186,16 +213,20 @@ def _to_row(raw: dict, default_id: str, origin: str = "") -> PromptRow:
     answer, tests = raw.get("answer"), raw.get("tests")
     metadata = dict(raw.get("metadata") or {})
     metadata.update({k: v for k, v in raw.items() if k not in _KNOWN_KEYS})
-    messages = raw.get("messages")
+    messages = [dict(m) for m in raw["messages"]] if raw.get("messages") is not None else None
+    completion = raw.get("completion")
+    if messages and messages[-1]["role"] == "assistant":  # the reply to learn; the prompt is what precedes it
+        completion = messages.pop()["content"]
     return PromptRow(
         prompt=raw.get("prompt"),
-        messages=[dict(m) for m in messages] if messages is not None else None,
+        messages=messages,
         answer=None if answer is None else str(answer),
         tests=tests,
         task=raw.get("task") or ("code" if tests is not None else "math"),
         id=str(raw["id"]) if raw.get("id") is not None else default_id,
         metadata=metadata,
         origin=origin,
+        completion=completion,
     )
 
 
@@ -211,11 +242,11 @@ def file_extension(path: str | Path) -> str | None:
     return next((ext for ext in sorted(FILE_EXTENSIONS, key=len, reverse=True) if name.endswith(ext)), None)
 
 
-def load_prompts(path: str | Path, format: str = "rows") -> list[PromptRow]:
+def load_prompts(path: str | Path, format: str = "rows", purpose: Purpose = "rl") -> list[PromptRow]:
     """Read and validate every row of a .jsonl(.gz) or .parquet file; raise DatasetError listing all bad rows.
 
     ``format``: "rows" (the row schema above), "gsm8k" (question / answer rows) or "humaneval" (HumanEval
-    problems), see the module doc."""
+    problems), see the module doc. ``purpose``: what the rows must hold, see `_row_problems`."""
     if format not in FORMATS:
         raise ValueError(f"data.format={format!r}: choose one of {list(FORMATS)}")
     path = Path(path)
@@ -241,7 +272,7 @@ def load_prompts(path: str | Path, format: str = "rows") -> list[PromptRow]:
             raw, problems = _humaneval_row(raw)
         else:
             problems = []
-        problems = problems or _row_problems(raw)
+        problems = problems or _row_problems(raw, purpose)
         if problems:
             errors += [f"{path}: {unit} {number}: field '{name}' {why}" for name, why in problems]
         else:
@@ -254,6 +285,19 @@ def load_prompts(path: str | Path, format: str = "rows") -> list[PromptRow]:
 
 
 _GSM8K_FINAL = re.compile(r"####\s*(-?[\d,]*\.?\d+)\s*\Z")
+
+
+_GSM8K_CALCULATION = re.compile(r"<<[^<>]*>>")
+
+
+def gsm8k_completion(solution: str) -> str:
+    """A GSM8K solution as a reply in the answer format: calculator annotations (``<<3*4=12>>``) removed and the
+    final ``#### 42`` written ``\\boxed{42}``."""
+    final = _GSM8K_FINAL.search(solution.strip())
+    assert final is not None, "a validated GSM8K solution ends in #### <number>"
+    steps = _GSM8K_CALCULATION.sub("", solution.strip()[: final.start()]).strip()
+    boxed = f"\\boxed{{{final.group(1).replace(',', '')}}}"
+    return f"{steps}\n{boxed}" if steps else boxed
 
 
 def _gsm8k_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
@@ -287,6 +331,7 @@ def _gsm8k_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
         "answer": final.group(1).replace(",", ""),
         "task": "math",
         "metadata": metadata,
+        "completion": gsm8k_completion(solution),
     }
     if raw.get("id") is not None:
         row["id"] = raw["id"]

@@ -12,7 +12,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.data.rows import FILE_EXTENSIONS, FORMATS, DatasetError, PromptRow, file_extension, load_prompts
+from app.data.rows import (
+    FILE_EXTENSIONS,
+    FORMATS,
+    DatasetError,
+    PromptRow,
+    Purpose,
+    file_extension,
+    load_prompts,
+)
 from app.data.tasks import (
     ArithmeticConfig,
     PythonFunctionsConfig,
@@ -93,13 +101,14 @@ class DataConfig:
                 raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1")
 
 
-def load_split(cfg: DataConfig, split: Literal["train", "eval"]) -> list[PromptRow]:
-    """Prompts of the train or eval source: a whole file, or a builtin task's train / test split."""
+def load_split(cfg: DataConfig, split: Literal["train", "eval"], purpose: Purpose = "rl") -> list[PromptRow]:
+    """Prompts of the train or eval source: a whole file, or a builtin task's train / test split. ``purpose``:
+    "rl" rows need an answer or tests, "sft" rows a completion (built-in rows have both)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r} must be 'train' or 'eval'")
     source = cfg.train if split == "train" else cfg.eval
     if not source.startswith(BUILTIN_PREFIX):
-        return load_prompts(source, cfg.format)
+        return load_prompts(source, cfg.format, purpose)
     task = BUILTIN_TASKS[source[len(BUILTIN_PREFIX) :]]
     task_cfg = getattr(cfg, task.config_field)
     try:  # too many prompts asked of a split, a template that fails its own check: a dataset error, not a crash

@@ -1,7 +1,7 @@
 """Build the tiny offline model and warm-start it, so RL starts from a non-zero accuracy without downloads.
 
 `bootstrap` builds a byte-level tokenizer and a tiny Qwen2 in code (trainer/model.py), fine-tunes it with
-supervised next-token loss on `data.train` (prompt → answer + EOS, loss on the answer only) and saves a
+`trustbatch sft`'s loop on `data.train` (prompt → completion + EOS, loss on the completion only) and saves a
 normal Hugging Face directory that transformers, the rollout engines and SGLang load like any other model.
 """
 
@@ -9,63 +9,54 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from app.config import ModelConfig
 from app.data import DataConfig, load_split
-from trainer.model import build_tiny_model, build_tiny_tokenizer, encode_prompt, save_model
-from trainer.sft import sft_step
+from app.data.prepare import ModelText
+from app.data.sft import tokenize_examples
+from app.training.sft_loop import FitSettings, fit
+from trainer.model import build_tiny_model, build_tiny_tokenizer, save_model
 
 log = logging.getLogger("trustbatch")
 
+MODEL_REFERENCES = ("models:/", "runs:/")
+"""model.path prefixes that name a model in the MLflow store (a registered version, or a run's artifact)."""
+
 
 def bootstrap(model_cfg: ModelConfig, data_cfg: DataConfig, out: Path, *, show_progress: bool = True) -> Path:
-    """Build, warm-start and save the tiny model at `out`; returns `out`."""
+    """Build, warm-start and save the tiny model at `out`; returns `out`.
+
+    The warm start is `trustbatch sft`'s own loop (app/training/sft_loop.py `fit`) on the rows of data.train, each
+    prompt followed by its completion (builtin:arithmetic: the answer) and EOS, the loss on the completion only;
+    AdamW at model.sft.lr with a cosine decay to 10%."""
     torch.manual_seed(model_cfg.tiny.seed)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(model_cfg.tiny, tokenizer)
-    rows = [r for r in load_split(data_cfg, "train") if r.answer is not None]
-    if not rows:
-        raise ValueError(f"data.train={data_cfg.train!r} has no rows with an answer to fine-tune on")
-    examples = []
-    for r in rows:
-        prompt = encode_prompt(tokenizer, r.prompt, r.messages)
-        answer = tokenizer(r.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        examples.append((prompt, answer))
-
+    rows = load_split(data_cfg, "train", "sft")
+    text = ModelText(tokenizer, model_cfg.tiny.max_position_embeddings, "model.tiny (model.bootstrap=true)")
+    examples = tokenize_examples(rows, text, on_long="drop", source=data_cfg.train).examples
     sft = model_cfg.sft
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, sft.steps) / max(sft.steps, 1)))
     )
-    rng = random.Random(model_cfg.tiny.seed)
-    model.train()
-    bar = tqdm(range(sft.steps), desc="bootstrap SFT", disable=not show_progress, dynamic_ncols=True)
-    loss = float("nan")
-    for _ in bar:
-        chosen = [examples[rng.randrange(len(examples))] for _ in range(sft.batch_size)]
-        length = max(len(p) + len(a) for p, a in chosen)
-        input_ids = torch.full((len(chosen), length), tokenizer.pad_token_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        loss_mask = torch.zeros_like(input_ids, dtype=torch.bool)
-        for i, (p, a) in enumerate(chosen):
-            input_ids[i, : len(p) + len(a)] = torch.tensor(p + a)
-            attention_mask[i, : len(p) + len(a)] = 1
-            loss_mask[i, len(p) : len(p) + len(a)] = True
-        loss = sft_step(model, optimizer, input_ids, attention_mask, loss_mask, scheduler=scheduler)
-        bar.set_postfix(loss=f"{loss:.3f}")
-    bar.close()
+    metrics: dict[str, float] = {}
+    if sft.steps:
+        settings = FitSettings(
+            steps=sft.steps, batch_size=sft.batch_size, micro_batch_size=sft.batch_size, max_grad_norm=1.0,
+            seed=model_cfg.tiny.seed, label="bootstrap SFT", show_progress=show_progress,
+        )  # fmt: skip
+        metrics = fit(model, optimizer, scheduler, tokenizer.pad_token_id, examples, [], settings)
     model.eval()
     save_model(model, tokenizer, out)
     log.info(
         "bootstrapped tiny model (%d parameters, SFT loss %.3f) at %s",
         sum(p.numel() for p in model.parameters()),
-        loss,
+        metrics.get("sft/loss", float("nan")),
         out,
     )
     return out
@@ -77,8 +68,22 @@ def ensure_model(
     *,
     is_main: bool = True,
     barrier: Callable[[], None] = lambda: None,
+    tracking_uri: str | None = None,
 ) -> Path:
-    """The model directory to train: `model.path` itself, bootstrapped first when asked and missing."""
+    """The model directory to train: `model.path` itself, bootstrapped first when asked and missing, or the
+    local copy of a model reference (``models:/NAME@ALIAS``, ``models:/NAME/VERSION``, ``runs:/ID/PATH``: e.g.
+    what `trustbatch sft` registered), fetched from the MLflow store at ``tracking_uri`` into the cache."""
+    if model_cfg.path.startswith(MODEL_REFERENCES):
+        from app.models import resolve_model
+
+        assert tracking_uri is not None, "a model reference needs the MLflow store"
+        if is_main:  # downloads into the cache once; the other ranks then find it there
+            path = resolve_model(model_cfg.path, tracking_uri=tracking_uri)
+        barrier()
+        if not is_main:
+            path = resolve_model(model_cfg.path, tracking_uri=tracking_uri)
+        log.info("model.path %s is %s", model_cfg.path, path)
+        return path
     path = Path(model_cfg.path)
     if path.exists() or not model_cfg.bootstrap:
         return path

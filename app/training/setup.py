@@ -28,7 +28,7 @@ from app.evaluation.held_out import HeldOut
 from app.rollout.base import SamplingParams
 from app.rollout.fleet import Fleet
 from app.scoring import rewards_with_sandbox
-from app.tracking import Tracker
+from app.tracking import Tracker, default_tracking_uri
 from app.training.bootstrap import ensure_model
 from app.training.resume import Resume, set_aside
 from rewards import check_tasks
@@ -166,7 +166,10 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
         set_aside(resume.damaged)
 
-    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier)
+    model_dir = ensure_model(
+        cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier,
+        tracking_uri=cfg.tracking.uri or default_tracking_uri(cfg.run.path.parent),
+    )  # fmt: skip
     model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
     if sets is None:  # a hub model: its tokenizer and context are known now
         text = ModelText.from_model(model, tokenizer, cfg.model.path)

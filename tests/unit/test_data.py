@@ -20,8 +20,8 @@ from app.data import (
     limit_prompt_lengths,
     load_prompts,
     load_split,
-    sft_text,
     split_of,
+    worked_solution,
 )
 from trainer.model import TinyModelConfig, build_tiny_tokenizer, encode_prompt
 
@@ -243,7 +243,7 @@ def test_answers_are_exact():
     for row in rows:
         expr = row.prompt.removesuffix("=")
         assert row.answer == str(eval(expr, {"__builtins__": {}}))  # Python itself as the oracle
-        assert row.task == "math" and sft_text(row) == row.answer
+        assert row.task == "math" and row.completion == row.answer  # data.arithmetic.solutions=answer
         assert 1 <= row.metadata["num_ops"] <= 5 and row.prompt.endswith("=")
     assert len({r.id for r in rows}) == len(rows)
 
@@ -296,7 +296,7 @@ def test_prompts_fit_the_tiny_tokenizer():
     cfg = ArithmeticConfig()
     for row in arithmetic_prompts(cfg, "train", 500) + arithmetic_prompts(cfg, "test", 100):
         ids = encode_prompt(tokenizer, row.prompt)
-        completion = tokenizer(sft_text(row), add_special_tokens=False)["input_ids"] + [
+        completion = tokenizer(row.completion, add_special_tokens=False)["input_ids"] + [
             tokenizer.eos_token_id
         ]
         assert tokenizer.decode(ids) == row.prompt
@@ -346,10 +346,16 @@ def test_data_config_validation(kwargs, match):
         DataConfig(**kwargs)
 
 
-def test_sft_text_needs_an_answer():
-    row = PromptRow("x", None, None, ["assert 1"], "code", "r1", {})
-    with pytest.raises(ValueError, match="no answer"):
-        sft_text(row)
+def test_worked_arithmetic_solutions_end_in_the_answer():
+    cfg = ArithmeticConfig(max_ops=4, max_operand=20, solutions="worked")
+    rows = arithmetic_prompts(cfg, "train", 2000)
+    for row in rows:
+        assert row.completion.endswith(f"\\boxed{{{row.answer}}}")
+        assert row.completion == worked_solution(row.prompt.removesuffix("="))
+    assert worked_solution("7+5*3-4") == "5*3=15. 7+15=22. 22-4=18. \\boxed{18}"
+    assert worked_solution("9-8-7") == "9-8=1. 1-7=-6. \\boxed{-6}"
+    with pytest.raises(ValueError, match="data.arithmetic.solutions"):
+        ArithmeticConfig(solutions="steps")
 
 
 def test_on_long_prompt_takes_error_or_drop():

@@ -17,7 +17,6 @@ from app.data import (
     WordProblemsConfig,
     load_prompts,
     load_split,
-    sft_text,
     split_of,
     word_problem_key,
     word_problem_prompts,
@@ -29,6 +28,10 @@ NUMBER = re.compile(r"\d+")
 
 # The answer of each template from the numbers its problem states, written out again independently.
 ORACLE = {
+    "more": lambda s: s["a"] + s["b"],
+    "fewer": lambda s: s["a"] - s["b"],
+    "packs": lambda s: s["packs"] * s["each"],
+    "share": lambda s: s["total"] // s["friends"],
     "unit_price": lambda s: s["total"] // s["n"] * s["m"],
     "work_rate": lambda s: s["rate"] * s["hours"] * s["days"],
     "shopping": lambda s: s["a"] * s["p"] + s["b"] * s["q"],
@@ -44,11 +47,15 @@ ORACLE = {
 }
 # Divisions that must come out exact: (dividend, divisor) of each template that divides.
 EXACT = {
+    "share": lambda s: [(s["total"], s["friends"])],
     "unit_price": lambda s: [(s["total"], s["n"])],
     "sharing": lambda s: [(s["trays"] * s["per_tray"] - s["kept"], s["friends"])],
     "savings_goal": lambda s: [(s["price"] - s["start"] - s["gift"], s["weekly"])],
     "recipe": lambda s: [(s["grams"], s["serves"])],
 }
+
+
+STEP = re.compile(r"(\d+) ([-+×÷]) (\d+) = (-?\d+)\.")
 
 
 def user_text(row) -> str:
@@ -61,7 +68,7 @@ def key(row) -> str:
 
 @pytest.fixture(scope="module")
 def sample():
-    cfg = WordProblemsConfig()
+    cfg = WordProblemsConfig(min_ops=1)
     return word_problem_prompts(cfg, "train", 4000) + word_problem_prompts(cfg, "test", 1000)
 
 
@@ -69,7 +76,7 @@ def sample():
 
 
 def test_splits_never_share_a_problem():
-    cfg = WordProblemsConfig()
+    cfg = WordProblemsConfig(min_ops=1)
     train = word_problem_prompts(cfg, "train", 20000)
     test_size = _split_size("test")
     test = word_problem_prompts(cfg, "test", test_size)  # the whole test split
@@ -77,7 +84,7 @@ def test_splits_never_share_a_problem():
     assert len(train_keys) == 20000 and len(test_keys) == test_size == len(test)  # distinct within a split
     assert not train_keys & test_keys
     # The assignment is a hash of the canonical content alone, so no seed's train split meets the test split.
-    other = word_problem_prompts(WordProblemsConfig(seed=11, min_distractors=0), "train", 10000)
+    other = word_problem_prompts(WordProblemsConfig(seed=11, min_ops=1, min_distractors=0), "train", 10000)
     assert not {key(r) for r in other} & test_keys
     assert all(split_of(key(r)) == "train" for r in train) and all(split_of(key(r)) == "test" for r in test)
     # About one problem in ten of every template is held out.
@@ -90,7 +97,7 @@ def test_splits_never_share_a_problem():
 def _split_size(split: str, templates: list[str] | None = None) -> int:
     """Problems in a split, counted by asking for one more than exist: the error message states the count."""
     with pytest.raises(ValueError, match=rf"the {split} split has only (\d+) distinct") as info:
-        word_problem_prompts(WordProblemsConfig(templates=templates or []), split, 10**7)
+        word_problem_prompts(WordProblemsConfig(templates=templates or [], min_ops=1), split, 10**7)
     return int(re.search(r"has only (\d+) distinct", str(info.value)).group(1))
 
 
@@ -149,7 +156,15 @@ def test_answers_are_exact_positive_integers(sample):
     for row in sample:
         numbers, template = row.metadata["numbers"], row.metadata["template"]
         answer = ORACLE[template](numbers)
-        assert row.answer == str(answer) and answer > 0 and sft_text(row) == row.answer
+        assert row.answer == str(answer) and answer > 0
+        # The worked solution: one "a op b = c." per operation, each right, then the answer in \boxed{}.
+        boxed = row.completion.rsplit(" ", 1)[-1]
+        assert boxed == f"\\boxed{{{answer}}}"
+        found = STEP.findall(row.completion)
+        assert len(found) == row.metadata["num_ops"], row.completion
+        for a, op, b, c in found:
+            assert {"+": int(a) + int(b), "-": int(a) - int(b), "×": int(a) * int(b), "÷": int(a) / int(b)}[op] == int(c)
+        assert found[-1][3] == str(answer)
         for dividend, divisor in EXACT.get(template, lambda s: [])(numbers):
             assert dividend % divisor == 0 and dividend > 0, (template, numbers)
         # Every stated number is in the text.
@@ -158,7 +173,7 @@ def test_answers_are_exact_positive_integers(sample):
 
 
 def test_operations_within_bounds_and_config_filters_templates(sample):
-    assert {r.metadata["num_ops"] for r in sample} == {2, 3, 4}
+    assert {r.metadata["num_ops"] for r in sample} == {1, 2, 3, 4}
     assert {r.metadata["template"] for r in sample} == set(WORD_PROBLEM_TEMPLATES)
     for row in sample:
         assert row.metadata["num_ops"] == WORD_PROBLEM_TEMPLATES[row.metadata["template"]].ops
@@ -214,8 +229,8 @@ def test_rows_are_chat_rows_of_the_math_task(sample, tmp_path):
     [
         ({"templates": ["shoping"]}, r"data\.word_problems\.templates=\['shoping'\].*unknown: \['shoping'\]"),
         ({"templates": ["ages", "ages"]}, r"data\.word_problems\.templates=.*distinct"),
-        ({"min_ops": 1}, r"data\.word_problems\.min_ops=1 must be between 2 and 4"),
-        ({"max_ops": 5}, r"data\.word_problems\.max_ops=5 must be between 2 and 4"),
+        ({"min_ops": 0}, r"data\.word_problems\.min_ops=0 must be between 1 and 4"),
+        ({"max_ops": 5}, r"data\.word_problems\.max_ops=5 must be between 1 and 4"),
         (
             {"min_ops": 4, "max_ops": 3},
             r"data\.word_problems\.max_ops=3 is below data\.word_problems\.min_ops=4",
@@ -323,8 +338,15 @@ def test_default_math_extraction_also_reads_the_last_line(sample, verifiers):
     assert _judge(boxed_only, row, f"The answer is {row.answer}.") is False
 
 
+def test_worked_solutions_are_judged_correct(sample, verifiers):
+    """The reply `trustbatch sft` teaches is itself a correct answer to the verifier RL uses."""
+    boxed_only, _ = verifiers
+    for row in sample[:200]:
+        assert _judge(boxed_only, row, row.completion) is True, row.completion
+
+
 def test_every_template_has_a_rendered_example():
-    rows = word_problem_prompts(WordProblemsConfig(), "test", 600)
+    rows = word_problem_prompts(WordProblemsConfig(min_ops=1), "test", 800)
     by_template = {r.metadata["template"]: user_text(r) for r in rows}
     assert set(by_template) == set(WORD_PROBLEM_TEMPLATES)
     for text in by_template.values():

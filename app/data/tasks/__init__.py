@@ -6,8 +6,8 @@ from app.data.tasks.arithmetic import (
     ArithmeticConfig,
     arithmetic_prompts,
     evaluate_expression,
-    sft_text,
     split_of,
+    worked_solution,
 )
 from app.data.tasks.python_function_templates import FUNCTION_TEMPLATES, FunctionTemplate
 from app.data.tasks.python_functions import (
@@ -37,7 +37,7 @@ __all__ = [
     "WordProblemsConfig",
     "arithmetic_prompts",
     "evaluate_expression",
-    "sft_text",
+    "worked_solution",
     "split_of",
     "word_problem_key",
     "word_problem_prompts",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -30,8 +31,13 @@ class ArithmeticConfig:
     """Operators to draw from, a subset of '+-*' (no division: answers stay exact integers)."""
     seed: int = 0
     """Seed of the generator; the train/test assignment does not depend on it, so splits never overlap."""
+    solutions: Literal["answer", "worked"] = "answer"
+    """The reply `trustbatch sft` (and model.bootstrap) learns, each row's `completion`: the answer alone
+    (`18`), or worked step by step in the \\boxed{} answer format (`5*3=15. 7+15=22. 22-4=18. \\boxed{18}`)."""
 
     def __post_init__(self) -> None:
+        if self.solutions not in ("answer", "worked"):
+            raise ValueError(f"data.arithmetic.solutions={self.solutions!r}: choose answer or worked")
         if self.min_ops < 1:
             raise ValueError(f"data.arithmetic.min_ops={self.min_ops} must be >= 1")
         if self.max_ops < self.min_ops:
@@ -64,6 +70,28 @@ def evaluate_expression(expr: str) -> int:
             total += sign * term
             sign, term = (1 if char == "+" else -1), 1
     return total
+
+
+def worked_solution(expr: str) -> str:
+    """The steps a reader takes, products first, then sums and differences left to right, each as ``a*b=c.``,
+    and the value in \\boxed{}: ``7+5*3-4`` -> ``5*3=15. 7+15=22. 22-4=18. \\boxed{18}``."""
+    tokens = re.findall(r"\d+|[-+*]", expr)
+    steps, terms = [], [int(tokens[0])]
+    ops = []
+    for op, number in zip(tokens[1::2], tokens[2::2], strict=True):
+        if op == "*":
+            product = terms[-1] * int(number)
+            steps.append(f"{terms[-1]}*{number}={product}.")
+            terms[-1] = product
+        else:
+            ops.append(op)
+            terms.append(int(number))
+    total = terms[0]
+    for op, term in zip(ops, terms[1:], strict=True):
+        value = total + term if op == "+" else total - term
+        steps.append(f"{total}{op}{term}={value}.")
+        total = value
+    return " ".join(steps + [f"\\boxed{{{total}}}"])
 
 
 def split_of(expr: str, test_fraction: int = TEST_FRACTION) -> Literal["train", "test"]:
@@ -123,15 +151,9 @@ def arithmetic_prompts(cfg: ArithmeticConfig, split: Literal["train", "test"], n
                 task="math",
                 id=f"arithmetic-{split}-{len(rows)}",
                 metadata={"source": "builtin:arithmetic", "num_ops": k},
+                completion=worked_solution(expr) if cfg.solutions == "worked" else str(evaluate_expression(expr)),
             )
         )
     return rows
 
 
-def sft_text(row: PromptRow) -> str:
-    """Completion text for warm-start supervised fine-tuning: the answer alone (the caller appends EOS)."""
-    if row.answer is None:
-        raise ValueError(
-            f"row {row.id!r} has no answer, so it has no supervised completion; use rows with answers"
-        )
-    return row.answer

@@ -229,6 +229,7 @@ class FunctionProblem:
                 "key": self.key,
                 "solution": self.solution,
             },
+            completion=f"```python\n{self.solution.strip()}\n```",
         )
 
 

@@ -1,6 +1,8 @@
 """The builtin:word_problems templates as a table (WORD_PROBLEM_TEMPLATES): each entry states its numbers and
 arithmetic, and its wording as format strings (story, question, distractors) over the numbers and word slots that
-one function, `WordProblemTemplate.render`, fills in.
+one function, `WordProblemTemplate.render`, fills in. Each also states its worked solution as steps such as
+``"x = a * p"``, which `WordProblemTemplate.worked` writes out, e.g. "3 × 5 = 15. 4 × 2 = 8. 15 + 8 = 23.
+\\boxed{23}": the reply supervised fine-tuning learns (`trustbatch sft`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class _Wording(string.Formatter):
 
 
 _WORDING = _Wording()
+_SYMBOLS = {"+": "+", "-": "-", "*": "×", "/": "÷"}
 
 
 def _fill(text: str, values: dict[str, Any]) -> str:
@@ -90,6 +93,29 @@ class WordProblemTemplate:
     `(("v", "t1"), ("w", "t2"))`: two legs of a trip, each a speed and a time."""
     valid: Callable[[Numbers], bool] = lambda p: True
     """Which parameter combinations make a sensible problem (a positive answer, exact divisions)."""
+    steps: tuple[str, ...] = ()
+    """The worked solution, one operation per step: ``"name = left op right"`` with op one of + - * / and each
+    operand a stated number or an earlier step; the last step is the answer. One step per operation (``ops``)."""
+
+    def __post_init__(self) -> None:
+        if len(self.steps) != self.ops:
+            raise ValueError(f"word problem template {self.name!r}: {len(self.steps)} steps for {self.ops} operations")
+
+    def worked(self, numbers: Numbers) -> tuple[str, int]:
+        """The worked solution of a problem and its answer: each step as ``3 × 5 = 15.``, then ``\\boxed{answer}``.
+        Raises ValueError on a division that is not exact (the template's `valid` should rule it out)."""
+        values: dict[str, int] = dict(numbers)
+        lines = []
+        for step in self.steps:
+            name, _, expression = step.partition(" = ")
+            left, op, right = expression.split()
+            a, b = values[left], values[right]
+            if op == "/" and (b == 0 or a % b):
+                raise ValueError(f"word problem template {self.name!r}: step {step!r} divides {a} by {b} inexactly")
+            values[name] = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
+            lines.append(f"{a} {_SYMBOLS[op]} {b} = {values[name]}.")
+        answer = values[self.steps[-1].partition(" = ")[0]]
+        return " ".join(lines) + f" \\boxed{{{answer}}}", answer
 
     def render(self, rng: random.Random, numbers: Numbers) -> tuple[list[str], str, dict[str, Any]]:
         """(rng, stated numbers) -> (story sentences, question, words for the distractors' blanks).
@@ -153,7 +179,41 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
     t.name: t
     for t in (
         WordProblemTemplate(
+            "more", 1, {"a": range(2, 41), "b": range(2, 41)}, steps=("z = a + b",),
+            numbers=_same, solve=lambda s: s["a"] + s["b"],
+            words=(_NAME, Draw("goods", _GOODS)),
+            story=("{name} has {a} {goods}.", "{name} buys {b} more {goods}."),
+            question="How many {goods} does {name} have now?",
+            distractors=_SHOPPING_DISTRACTORS,
+        ),
+        WordProblemTemplate(
+            "fewer", 1, {"a": range(3, 61), "b": range(2, 41)}, steps=("z = a - b",),
+            numbers=_same, solve=lambda s: s["a"] - s["b"], valid=lambda p: p["a"] > p["b"],
+            words=(_NAME, Draw("goods", _GOODS)),
+            story=("{name} has {a} {goods}.", "{name} gives {b} of them to a friend."),
+            question="How many {goods} does {name} have left?",
+            distractors=_SHOPPING_DISTRACTORS,
+        ),
+        WordProblemTemplate(
+            "packs", 1, {"packs": range(2, 13), "each": range(2, 13)}, steps=("z = packs * each",),
+            numbers=_same, solve=lambda s: s["packs"] * s["each"],
+            words=(_NAME, Draw("goods", _GOODS)),
+            story=("{name} buys {packs} packs of {goods} with {each} {goods} in each pack.",),
+            question="How many {goods} does {name} buy?",
+            distractors=_SHOPPING_DISTRACTORS,
+        ),
+        WordProblemTemplate(
+            "share", 1, {"friends": range(2, 11), "each": range(2, 16)}, steps=("z = total / friends",),
+            numbers=lambda p: {"total": p["friends"] * p["each"], "friends": p["friends"]},
+            solve=lambda s: s["total"] // s["friends"],
+            words=(_NAME, Draw("goods", _GOODS)),
+            story=("{name} shares {total} {goods} equally among {friends} friends.",),
+            question="How many {goods} does each friend get?",
+            distractors=_SHOPPING_DISTRACTORS,
+        ),
+        WordProblemTemplate(
             "unit_price", 2, {"n": range(2, 11), "unit": range(2, 26), "m": range(2, 16)},
+            steps=("u = total / n", "x = u * m"),
             numbers=lambda p: {"n": p["n"], "total": p["n"] * p["unit"], "m": p["m"]},
             solve=lambda s: s["total"] // s["n"] * s["m"], valid=lambda p: p["m"] != p["n"],
             words=(_NAME, Draw("packs", ("packs of stickers", "boxes of tea", "bottles of juice", "rolls of tape"))),
@@ -163,6 +223,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "work_rate", 2, {"rate": range(3, 61), "hours": range(2, 11), "days": range(2, 8)},
+            steps=("d = rate * hours", "x = d * days"),
             numbers=_same, solve=lambda s: s["rate"] * s["hours"] * s["days"],
             words=(Draw("machine product", (("machine", "toys"), ("printer", "posters"), ("bakery oven", "loaves"))),),
             story=("A {machine} makes {rate} {product} per hour.", "It runs for {hours:hour} each day."),
@@ -176,6 +237,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "shopping", 3, {"a": range(2, 10), "p": range(2, 16), "b": range(2, 10), "q": range(2, 16)},
+            steps=("x = a * p", "y = b * q", "z = x + y"),
             numbers=_same, solve=_cost, valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]),
             words=(_NAME, Draw("first second", _GOODS, distinct=True)), either_order=(("a", "p"), ("b", "q")),
             story=(_BUYS,), question="How many dollars does {name} spend in total?",
@@ -184,6 +246,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "shopping_change", 4,
             {"a": range(2, 7), "p": range(2, 13), "b": range(2, 7), "q": range(2, 13), "paid": range(20, 101, 10)},
+            steps=("x = a * p", "y = b * q", "c = x + y", "z = paid - c"),
             numbers=_same, solve=lambda s: s["paid"] - _cost(s),
             valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]) and _cost(p) < p["paid"],
             words=(_NAME, Draw("first second", _GOODS, distinct=True)), either_order=(("a", "p"), ("b", "q")),
@@ -192,6 +255,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "travel", 3, {"v": range(30, 91, 5), "t1": range(1, 7), "w": range(30, 91, 5), "t2": range(1, 7)},
+            steps=("x = v * t1", "y = w * t2", "z = x + y"),
             numbers=_same, solve=_driven, valid=lambda p: p["v"] < p["w"],
             words=(Draw("vehicle", ("train", "bus", "truck", "ferry")),), either_order=(("v", "t1"), ("w", "t2")),
             story=("A {vehicle} travels " + _LEGS,), question="How many kilometres does the {vehicle} travel in all?",
@@ -203,6 +267,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
                 "v": range(40, 81, 10), "t1": range(1, 6), "w": range(40, 81, 10), "t2": range(1, 6),
                 "left": range(15, 196, 15),
             },
+            steps=("x = v * t1", "y = w * t2", "d = x + y", "z = distance - d"),
             numbers=lambda p: {"distance": _driven(p) + p["left"], **{k: p[k] for k in ("v", "t1", "w", "t2")}},
             solve=lambda s: s["distance"] - _driven(s), valid=lambda p: p["v"] < p["w"],
             words=(_NAME,), fixed={"vehicle": "car"}, either_order=(("v", "t1"), ("w", "t2")),
@@ -213,6 +278,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "sharing", 3,
             {"trays": range(2, 10), "per_tray": range(4, 16), "kept": range(1, 21), "friends": range(2, 10)},
+            steps=("t = trays * per_tray", "r = t - kept", "z = r / friends"),
             numbers=_same, solve=lambda s: (s["trays"] * s["per_tray"] - s["kept"]) // s["friends"],
             valid=lambda p: (
                 p["trays"] * p["per_tray"] > p["kept"] and (p["trays"] * p["per_tray"] - p["kept"]) % p["friends"] == 0
@@ -233,6 +299,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "savings", 3,
             {"start": range(10, 101, 10), "weekly": range(3, 21), "weeks": range(2, 13), "spent": range(10, 81, 10)},
+            steps=("s = weekly * weeks", "h = start + s", "z = h - spent"),
             numbers=_same, solve=lambda s: s["start"] + s["weekly"] * s["weeks"] - s["spent"],
             valid=lambda p: p["start"] + p["weekly"] * p["weeks"] > p["spent"],
             words=(_NAME, Draw("item", ("book", "kite", "board game", "scarf"))),
@@ -247,6 +314,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "savings_goal", 3,
             {"start": range(5, 51, 5), "gift": range(5, 41, 5), "weekly": range(2, 16), "weeks": range(2, 13)},
+            steps=("h = start + gift", "r = price - h", "z = r / weekly"),
             numbers=lambda p: {
                 "price": p["start"] + p["gift"] + p["weekly"] * p["weeks"],
                 **{k: p[k] for k in ("start", "gift", "weekly")},
@@ -264,6 +332,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "recipe", 3,
             {"serves": range(2, 7), "per_person": range(10, 61, 5), "guests": range(2, 13), "has": range(10, 201, 10)},
+            steps=("g = grams / serves", "t = g * guests", "z = t - has"),
             numbers=lambda p: {
                 "serves": p["serves"], "grams": p["serves"] * p["per_person"], "guests": p["guests"], "has": p["has"],
             },
@@ -284,6 +353,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "ages", 3, {"age": range(3, 17), "older": range(1, 10), "times": range(2, 6), "later": range(1, 21)},
+            steps=("c = age + older", "o = times * c", "z = o + later"),
             numbers=_same, solve=lambda s: s["times"] * (s["age"] + s["older"]) + s["later"],
             valid=lambda p: 20 <= p["times"] * (p["age"] + p["older"]) <= 80,
             words=(Draw("child cousin neighbour", _NAMES, distinct=True),),
@@ -306,6 +376,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
                 "boxes": range(3, 13), "per_box": range(6, 25, 2), "sold1": range(4, 37, 4), "sold2": range(4, 37, 4),
                 "delivered": range(10, 51, 10),
             },
+            steps=("t = boxes * per_box", "a = t - sold1", "b = a - sold2", "z = b + delivered"),
             numbers=_same, solve=lambda s: s["boxes"] * s["per_box"] - s["sold1"] - s["sold2"] + s["delivered"],
             valid=lambda p: p["sold1"] < p["sold2"] and p["boxes"] * p["per_box"] > p["sold1"] + p["sold2"],
             words=(Draw("goods", ("pencils", "lemons", "batteries", "soaps")),), either_order=(("sold1",), ("sold2",)),

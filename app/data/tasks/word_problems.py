@@ -1,7 +1,8 @@
 """Built-in task `builtin:word_problems`: GSM8K-style multi-step word problems as chat rows.
 
-Shopping, travel, sharing, savings, recipes, ages, inventory...: 2-4 operations, integer answers, irrelevant
-distractor sentences. A system message (WORD_PROBLEM_INSTRUCTION) asks for brief step-by-step reasoning and the
+Shopping, travel, sharing, savings, recipes, ages, inventory...: 1-4 operations, integer answers, irrelevant
+distractor sentences (0-4 per problem). Each row carries its worked solution as `completion`, e.g. "3 × 5 = 15.
+4 × 2 = 8. 15 + 8 = 23. \\boxed{23}", the reply `trustbatch sft` learns. A system message (WORD_PROBLEM_INSTRUCTION) asks for brief step-by-step reasoning and the
 final answer in `\\boxed{}`, which the `math` verifier judges. The templates are a table in
 word_problem_templates.py; this module draws problems from them.
 """
@@ -27,12 +28,13 @@ class WordProblemsConfig:
     """Built-in task: multi-step arithmetic word problems in chat form (GSM8K style), answered in \\boxed{}."""
 
     templates: list[str] = field(default_factory=list)
-    """Templates to draw from; empty = all: unit_price, work_rate (2 operations), shopping, travel, sharing,
-    savings, savings_goal, recipe, ages (3), shopping_change, travel_remaining, inventory (4)."""
+    """Templates to draw from; empty = all: more, fewer, packs, share (1 operation), unit_price, work_rate (2),
+    shopping, travel, sharing, savings, savings_goal, recipe, ages (3), shopping_change, travel_remaining,
+    inventory (4)."""
     min_ops: int = 2
-    """Only templates with at least this many operations (2-4)."""
+    """Only templates with at least this many operations (1-4)."""
     max_ops: int = 4
-    """Only templates with at most this many operations (2-4)."""
+    """Only templates with at most this many operations (1-4)."""
     min_distractors: int = 1
     """Fewest irrelevant sentences (each with a number) in a problem."""
     max_distractors: int = 2
@@ -50,10 +52,10 @@ class WordProblemsConfig:
                 f"{known} (empty = all)" + (f"; unknown: {bad}" if bad else "")
             )
         for key in ("min_ops", "max_ops"):
-            if not 2 <= getattr(self, key) <= 4:
+            if not 1 <= getattr(self, key) <= 4:
                 raise ValueError(
-                    f"data.word_problems.{key}={getattr(self, key)} must be between 2 and 4 (the templates "
-                    f"have 2 to 4 operations)"
+                    f"data.word_problems.{key}={getattr(self, key)} must be between 1 and 4 (the templates "
+                    f"have 1 to 4 operations)"
                 )
         if self.max_ops < self.min_ops:
             raise ValueError(
@@ -142,13 +144,14 @@ def _word_problem_row(
     count = rng.randint(cfg.min_distractors, cfg.max_distractors)
     for sentence in rng.sample(spec.distractors, count):  # after the first sentence, before the question
         story.insert(rng.randint(1, len(story)), sentence.format(n=rng.randint(2, 40), **words))
+    completion, answer = spec.worked(numbers)
     return PromptRow(
         prompt=None,
         messages=[
             {"role": "system", "content": WORD_PROBLEM_INSTRUCTION},
             {"role": "user", "content": " ".join([*story, question])},
         ],
-        answer=str(spec.solve(numbers)),
+        answer=str(answer),
         tests=None,
         task="math",
         id=row_id,
@@ -159,4 +162,5 @@ def _word_problem_row(
             "distractors": count,
             "numbers": numbers,
         },
+        completion=completion,
     )
