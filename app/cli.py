@@ -125,6 +125,39 @@ def sft(
         typer.echo(f"run directory: {cfg.run.path} (summary.json, config.yaml, checkpoints/)")
 
 
+@app.command("filter-prompts")
+def filter_prompts(
+    config: Annotated[Path, typer.Argument(help="YAML config file: data.train, rewards, eval settings.")],
+    overrides: Overrides = None,
+    model: Annotated[str, typer.Option(help="models:/NAME@ALIAS, models:/NAME/VERSION or a model directory.")] = "",
+    out: Annotated[Path, typer.Option(help="JSONL file to write the kept prompts to.")] = Path("prompts.jsonl"),
+    n: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
+    low: Annotated[float, typer.Option(help="Lowest pass rate kept.")] = 0.2,
+    high: Annotated[float, typer.Option(help="Highest pass rate kept.")] = 0.8,
+    num: Annotated[int | None, typer.Option(help="Only the first NUM prompts of data.train (default: all).")] = None,
+    engine: Annotated[str, typer.Option(help="embedded, local, sglang or auto.")] = "local",
+) -> None:
+    """Keep the data.train prompts MODEL solves between LOW and HIGH of the time (of N samples at the eval
+    temperature), written as row-schema JSONL with their pass rates: prompts at the edge of its ability."""
+    from app.config import ConfigError
+    from app.data import DatasetError
+    from app.models import ModelRefError
+
+    cfg = _load(config, overrides)
+    _setup_logging()
+    from app.evaluation.filter import filter_prompts as run_filter
+    uri = cfg.tracking_uri
+    try:
+        result = run_filter(model or cfg.model.path, cfg, tracking_uri=uri, out=out, n=n, low=low, high=high,
+                            num=num, engine=engine)  # fmt: skip
+    except (DatasetError, ConfigError, ModelRefError, ValueError) as exc:
+        _fail(str(exc))
+    total = len(result.rates)
+    typer.echo(f"pass rates of {total} prompts ({n} samples each): "
+               + ", ".join(f"{k}: {v}" for k, v in result.histogram.items()))  # fmt: skip
+    typer.echo(f"kept {result.kept} of {total} prompts with a pass rate in [{low}, {high}] -> {out}")
+
+
 @app.command()
 def bootstrap(
     config: ConfigArg = None,

@@ -152,6 +152,12 @@ class RolloutConfig:
     """Longest completion in tokens."""
     max_batch_size: int = 256
     """Sequences the engine decodes together."""
+    skip_decided: int = 0
+    """Online prompt filter: a prompt whose latest group was all right or all wrong (no advantage, so
+    advantage.drop_zero_variance_groups would throw the group away) is passed over its next this-many draws
+    instead of generated again; 0 = off. Pays when the run cycles through data.train more than once; the draws
+    passed over are logged (rollout/skipped_prompts) and reported at the end. A resumed run starts a fresh
+    record."""
 
     @property
     def auto_lag(self) -> bool:
@@ -164,6 +170,8 @@ class RolloutConfig:
         return self.max_auto_lag if self.max_lag == "auto" else int(self.max_lag)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.skip_decided, int) or self.skip_decided < 0:
+            raise ValueError(f"rollout.skip_decided={self.skip_decided!r} must be an integer >= 0 (0 = off)")
         if self.prompts_per_step < 1:
             raise ValueError(f"rollout.prompts_per_step must be >= 1, got {self.prompts_per_step}")
         if self.group_size < 2:
@@ -251,6 +259,12 @@ class Config:
     """Continue an interrupted run: its run directory or its MLflow run id. Training restarts from its last
     complete checkpoint (weights, optimizer, schedule, RNG, data position, policy version) and logs into the
     same MLflow run. Empty: a new run."""
+
+    @property
+    def tracking_uri(self) -> str:
+        """The MLflow store: tracking.uri, else $MLFLOW_TRACKING_URI, else a SQLite file beside the run directory
+        (runs/mlflow.db for runs/<name>), shared by its sibling runs."""
+        return self.tracking.uri or default_tracking_uri(self.run.path.parent)
 
     def __post_init__(self) -> None:
         # Cross-section rules: each names both keys and the fix. The context of a tiny model (built in code, or
@@ -343,7 +357,7 @@ def _check_trainable(config: Config) -> None:
             f"{key}={value!r}: the run directory {config.run.path} cannot be created or written ({problem}); "
             "set run.dir to a writable directory (e.g. run.dir=runs/my-run)"
         )
-    uri = config.tracking.uri or default_tracking_uri(config.run.path.parent)
+    uri = config.tracking_uri
     problem = store_problem(uri)
     if problem:
         if config.tracking.uri:

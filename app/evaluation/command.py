@@ -25,6 +25,7 @@ import asyncio
 import logging
 from dataclasses import replace
 from pathlib import Path
+from typing import Literal
 
 from app.config import Config
 from app.data import load_split
@@ -53,8 +54,11 @@ def evaluate_model(
     engine: str = "embedded",
     fit_new_tokens: bool = False,
     label: str | None = None,
+    split: Literal["train", "eval"] = "eval",
 ) -> EvalResult:
     """Sample, score and summarize ``ref`` (no MLflow, no files); see the module docstring.
+
+    ``split``: the prompts of data.eval (default), or of data.train (`trustbatch filter-prompts`).
 
     ``fit_new_tokens``: with ``eval.max_new_tokens`` empty, the completions get FITTED_NEW_TOKENS or what the
     longest prompt leaves of the context, instead of ``rollout.max_new_tokens``. ``label``: show progress.
@@ -67,7 +71,8 @@ def evaluate_model(
     )
     fit = fit_new_tokens and cfg.eval.max_new_tokens is None
     source = lookup(ref, tracking_uri=tracking_uri)  # fail on a bad reference before loading any data
-    rows = load_split(cfg.data, "eval")[: cfg.eval.num_prompts]
+    data_source = cfg.data.eval if split == "eval" else cfg.data.train
+    rows = load_split(cfg.data, split)[: cfg.eval.num_prompts]
     check_tasks(cfg.rewards, {row.task for row in rows})
     model_dir = fetch(source, tracking_uri=tracking_uri)
     text = ModelText.from_dir(model_dir)
@@ -77,8 +82,8 @@ def evaluate_model(
         max_new_tokens=FITTED_NEW_TOKENS if fit else settings.max_new_tokens,
         fit=fit,
         on_long_prompt=cfg.data.on_long_prompt,
-        source_key="data.eval",
-        source=cfg.data.eval,
+        source_key=f"data.{split}",
+        source=data_source,
         new_tokens_key="eval.max_new_tokens",
     )
     settings = replace(settings, max_new_tokens=prompts.max_new_tokens)
@@ -125,7 +130,7 @@ def evaluate_model(
         model_dir=str(model_dir),
         engine=opened.kind,
         max_batch_size=cfg.rollout.max_batch_size,
-        data=cfg.data.eval,
+        data=data_source,
         tracking_uri=tracking_uri,
     )
 

@@ -50,7 +50,7 @@ from app.training.records import (
     rate,
     step_metrics,
 )  # fmt: skip
-from app.training.resume import find_resume
+from app.training.resume import resume_run
 from app.training.setup import Parts, PromptSampler, setup
 from trainer.advantages import group_advantages, informative_groups
 from trainer.step import TrainBatch, train_step
@@ -60,10 +60,7 @@ log = logging.getLogger("trustbatch")
 
 def run(cfg: Config) -> dict:
     t_start = time.perf_counter()
-    resume = find_resume(cfg)
-    if resume.run_dir is not None and resume.run_dir.resolve() != cfg.run.path.resolve():
-        log.info("resume: writing to the interrupted run's directory %s", resume.run_dir)
-        cfg = replace(cfg, run=replace(cfg.run, dir=str(resume.run_dir)))
+    cfg, resume = resume_run(cfg)
     p = setup(cfg, resume)
     try:
         return asyncio.run(train(p, t_start))
@@ -100,7 +97,10 @@ async def train(p: Parts, t_start: float) -> dict:
     producer: asyncio.Task | None = None
     try:
         await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer))
-        producer = asyncio.create_task(produce(p, clock, buffer, generated, lag, first_ticket=start + 1))
+        sampler = PromptSampler(
+            len(p.train.rows), cfg.run.seed, cursor=start * r.prompts_per_step, skip_decided=r.skip_decided
+        )
+        producer = asyncio.create_task(produce(p, clock, buffer, generated, lag, sampler, first_ticket=start + 1))
         if start == 0:
             first = await evaluate(0)
             if p.dist.is_main:
@@ -126,6 +126,8 @@ async def train(p: Parts, t_start: float) -> dict:
             ess = float("nan") if metrics["train/skipped"] else metrics["loss/ess"]
             metrics["rollout/lag_bound"] = float(lag.observe(ess, issued_under=int(metrics["rollout/max_lag"])))
             metrics.update(meter.read(metrics["timing/train"], metrics["rollout/samples"]))
+            if r.skip_decided:
+                metrics["rollout/skipped_prompts"] = float(p.reducer.sum_(torch.tensor([float(sampler.skipped)])).item())
             history.add(step, metrics)
             last = step
             out_of_time = history.out_of_time()
@@ -170,6 +172,7 @@ async def produce(
     buffer: StalenessBuffer[Group],
     generated: Watermark,
     lag: LagBound,
+    sampler: PromptSampler,
     *,
     first_ticket: int,
 ) -> None:
@@ -180,9 +183,6 @@ async def produce(
     the trainer.
     """
     cfg = p.cfg
-    sampler = PromptSampler(
-        len(p.train.rows), cfg.run.seed, cursor=(first_ticket - 1) * cfg.rollout.prompts_per_step
-    )
     finished: set[int] = set()
     queued_before: asyncio.Future | None = None
     tasks: set[asyncio.Task] = set()
@@ -206,6 +206,8 @@ async def produce(
                 Group(record, completions[k * n : (k + 1) * n], scores[k * n : (k + 1) * n])
                 for k in range(len(chosen))
             ]
+            for index, group in zip(chosen, groups, strict=True):
+                sampler.decided(index, len({s.reward for s in group.scores}) == 1)
             if turn is not None:
                 await turn  # queue after the previous ticket, so the trainer sees tickets in order
             await buffer.put([Versioned(g, g.version) for g in groups])
@@ -265,6 +267,9 @@ async def train_one_step(
         "buffer/size": float(len(buffer)),
         "timing/wait_rollout": t1 - t0,
         "timing/train": t2 - t1,
+        # Prompt + completion tokens of the trained sequences per second of train_step (this rank's share; with
+        # trainer.share_prompts each group's prompt runs once, so fewer tokens pass through the model).
+        "perf/train_tokens_per_s": float(batch.attention_mask.sum()) / max(t2 - t1, 1e-9),
         "timing/weight_save": t3 - t2,
         "timing/weight_sync": p.fleet.last_sync_s,
     }

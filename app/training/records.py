@@ -322,6 +322,9 @@ def finish(
         "skipped_steps": int(sum(h["train/skipped"] for h in rows)),
         "clipped_fraction": sum(h.get("train/clipped", 0.0) for h in rows) / len(rows) if rows else 0.0,
         "train_samples": int(counters["samples"]),
+        "skipped_prompts": int(rows[-1].get("rollout/skipped_prompts", 0)) if rows else 0,
+        "group_size": cfg.rollout.group_size,
+        "zero_variance_groups": int(sum(h.get("advantage/zero_variance_groups", 0.0) for h in rows)),
         "samples_per_s": counters["samples"] / max(counters["train_wall_s"], 1e-9),
         "rollout_utilisation": history.mean("rollout/utilisation"),
         "train_utilisation": history.mean("train/utilisation"),
@@ -406,5 +409,14 @@ def summary_lines(summary: dict) -> list[str]:
         f"wall {summary['wall_s']:.0f} s",
         f"rollout busy {100 * summary['rollout_utilisation']:.0f}% / train busy "
         f"{100 * summary['train_utilisation']:.0f}% of step time",
+        *(
+            [
+                f"rollout.skip_decided: {summary['skipped_prompts']} prompt draws passed over (their "
+                f"{summary['skipped_prompts'] * summary['group_size']} completions not generated); "
+                f"{summary['zero_variance_groups']} groups generated were all right or all wrong"
+            ]
+            if summary.get("skipped_prompts")
+            else []
+        ),
         f"MLflow run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
     ]

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from app.config import Config, ConfigError
-from app.tracking import default_tracking_uri
 from trainer.checkpoint import checkpoint_problem, list_checkpoints
 
 log = logging.getLogger("trustbatch")
@@ -34,6 +33,15 @@ class Resume:
     """The checkpoint's state.json (empty for a new run)."""
     damaged: list[tuple[Path, str]] = field(default_factory=list)
     """Checkpoints marked complete that cannot be resumed from, with why; `setup` moves them aside."""
+
+
+def resume_run(cfg: Config) -> tuple[Config, Resume]:
+    """`find_resume`, and the config writing to the interrupted run's directory when it resumes one."""
+    resume = find_resume(cfg)
+    if resume.run_dir is not None and resume.run_dir.resolve() != cfg.run.path.resolve():
+        log.info("resume: writing to the interrupted run's directory %s", resume.run_dir)
+        cfg = replace(cfg, run=replace(cfg.run, dir=str(resume.run_dir)))
+    return cfg, resume
 
 
 def find_resume(cfg: Config) -> Resume:
@@ -93,7 +101,7 @@ def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
     from mlflow.exceptions import MlflowException
     from mlflow.tracking import MlflowClient
 
-    uri = cfg.tracking.uri or default_tracking_uri(cfg.run.path.parent)
+    uri = cfg.tracking_uri
     try:
         run = MlflowClient(tracking_uri=uri).get_run(run_id)
     except MlflowException as exc:

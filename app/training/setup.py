@@ -28,7 +28,7 @@ from app.evaluation.held_out import HeldOut
 from app.rollout.base import SamplingParams
 from app.rollout.fleet import Fleet
 from app.scoring import rewards_with_sandbox
-from app.tracking import Tracker, default_tracking_uri
+from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
 from app.training.resume import Resume, set_aside
 from rewards import check_tasks
@@ -42,21 +42,53 @@ log = logging.getLogger("trustbatch")
 
 
 class PromptSampler:
-    """Seeded epochs over the training prompts; `cursor` is the data position (for resumption)."""
+    """Seeded epochs over the training prompts; `cursor` is the data position (for resumption).
 
-    def __init__(self, size: int, seed: int, cursor: int = 0):
-        self.size, self.seed, self.cursor = size, seed, cursor
+    With ``skip_decided`` (rollout.skip_decided) > 0, a prompt reported `decided` (its latest group all right or
+    all wrong) is passed over its next ``skip_decided`` draws; `skipped` counts the draws passed over. Never
+    more than one epoch of passes in one `take`, so a run whose prompts are all decided still gets prompts.
+    """
+
+    def __init__(self, size: int, seed: int, cursor: int = 0, skip_decided: int = 0):
+        self.size, self.seed, self.cursor, self.skip_decided = size, seed, cursor, skip_decided
+        self.skip_left: dict[int, int] = {}
+        self.skipped = 0
+        self._epoch: tuple[int, list[int]] = (-1, [])
+
+    def _order(self, epoch: int) -> list[int]:
+        if self._epoch[0] != epoch:
+            order = list(range(self.size))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._epoch = (epoch, order)
+        return self._epoch[1]
 
     def take(self, k: int) -> list[int]:
         out: list[int] = []
+        passes = 0
         while len(out) < k:
             epoch, offset = divmod(self.cursor, self.size)
-            order = list(range(self.size))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            n = min(k - len(out), self.size - offset)
-            out += order[offset : offset + n]
-            self.cursor += n
+            index = self._order(epoch)[offset]
+            self.cursor += 1
+            left = self.skip_left.get(index, 0)
+            if left and passes < self.size:
+                passes += 1
+                self.skipped += 1
+                if left == 1:
+                    del self.skip_left[index]
+                else:
+                    self.skip_left[index] = left - 1
+                continue
+            out.append(index)
         return out
+
+    def decided(self, index: int, decided: bool) -> None:
+        """Report prompt ``index``'s latest group: all right or all wrong (``decided``), or mixed."""
+        if not self.skip_decided:
+            return
+        if decided:
+            self.skip_left[index] = self.skip_decided
+        else:
+            self.skip_left.pop(index, None)
 
 
 @dataclass
@@ -147,6 +179,19 @@ def early_text(cfg: Config) -> ModelText | None:
     return None
 
 
+def start_process(cfg: Config, resume: Resume) -> DistInfo:
+    """This process's part of a run (`train` and `sft`): the process group (torchrun's, or none), torch's threads
+    and seed; on rank 0 the run directory, its config.yaml, and the damaged checkpoints moved aside."""
+    dist = init_distributed()
+    torch.set_num_threads(cfg.run.threads)
+    torch.manual_seed(cfg.run.seed)
+    if dist.is_main:
+        cfg.run.path.mkdir(parents=True, exist_ok=True)
+        (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
+        set_aside(resume.damaged)
+    return dist
+
+
 def setup(cfg: Config, resume: Resume) -> Parts:
     """Build the run; the caller owns the returned Parts (close them) and awaits `fleet.connect`."""
     # Everything that can stop the run for a fixable reason comes first, before any model is built or loaded.
@@ -157,19 +202,9 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     text = early_text(cfg)
     sets = run_prompts(cfg, text, train_rows, eval_rows) if text is not None else None
 
-    dist = init_distributed()
+    dist = start_process(cfg, resume)
     reducer = dist.reducer()
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.run.seed)
-    if dist.is_main:
-        cfg.run.path.mkdir(parents=True, exist_ok=True)
-        (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
-        set_aside(resume.damaged)
-
-    model_dir = ensure_model(
-        cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier,
-        tracking_uri=cfg.tracking.uri or default_tracking_uri(cfg.run.path.parent),
-    )  # fmt: skip
+    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier, tracking_uri=cfg.tracking_uri)
     model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
     if sets is None:  # a hub model: its tokenizer and context are known now
         text = ModelText.from_model(model, tokenizer, cfg.model.path)

@@ -30,20 +30,19 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from app.config import Config, ConfigError, check_trainable, flatten, to_yaml
 from app.data import load_split
 from app.data.prepare import ModelText
 from app.data.sft import Examples, tokenize_examples
 from app.evaluation.command import evaluate_model
 from app.evaluation.run import EvalResult
-from app.tracking import Tracker, default_tracking_uri
+from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
-from app.training.resume import find_resume, set_aside
+from app.training.resume import resume_run
+from app.training.setup import start_process
 from app.training.sft_loop import FitSettings, fit
 from trainer.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir
-from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
+from trainer.distributed import DistInfo, Reducer, barrier, shard_model
 from trainer.model import load_model
 from trainer.optim import build_optimizer
 
@@ -53,32 +52,19 @@ log = logging.getLogger("trustbatch")
 # ---------------------------------------------------------------------------------------------- the command
 
 
-def tracking_uri(cfg: Config) -> str:
-    return cfg.tracking.uri or default_tracking_uri(cfg.run.path.parent)
-
-
 def run_sft(cfg: Config) -> dict:
     """`trustbatch sft CONFIG`: see the module docstring. Returns the summary (also written to summary.json)."""
     t_start = time.perf_counter()
-    resume = find_resume(cfg)
-    if resume.run_dir is not None and resume.run_dir.resolve() != cfg.run.path.resolve():
-        log.info("resume: writing to the interrupted run's directory %s", resume.run_dir)
-        cfg = replace(cfg, run=replace(cfg.run, dir=str(resume.run_dir)))
+    cfg, resume = resume_run(cfg)
     if resume.checkpoint is not None and resume.state.get("kind") != "sft":
         raise ConfigError(f"resume={cfg.resume}: {resume.checkpoint} is a checkpoint of `train`, not of `sft`")
     check_trainable(cfg)
     train_rows = load_split(cfg.data, "train", "sft")
     eval_rows = load_split(cfg.data, "eval", "sft")[: cfg.sft.num_eval]
 
-    dist = init_distributed()
+    dist = start_process(cfg, resume)
     reducer = dist.reducer()
-    torch.set_num_threads(cfg.run.threads)
-    torch.manual_seed(cfg.run.seed)
-    if dist.is_main:
-        cfg.run.path.mkdir(parents=True, exist_ok=True)
-        (cfg.run.path / "config.yaml").write_text(to_yaml(cfg))
-        set_aside(resume.damaged)
-    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier, tracking_uri=tracking_uri(cfg))
+    model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier, tracking_uri=cfg.tracking_uri)
     model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
     text = ModelText.from_model(model, tokenizer, str(model_dir))
     common = dict(on_long=cfg.sft.on_long)
@@ -178,7 +164,7 @@ def _train(cfg, dist: DistInfo, reducer: Reducer, model, tokenizer, optimizer, s
         "model_version": saved.get("version"),
         "model_ref": (f"models:/{registered_name(cfg)}/{saved['version']}" if saved.get("version") else str(model_path)),
         "mlflow_run_id": tracker.run_id,
-        "tracking_uri": tracking_uri(cfg),
+        "tracking_uri": cfg.tracking_uri,
     }  # fmt: skip
     del last
     if cfg.sft.verify:
@@ -205,7 +191,7 @@ def verify(cfg: Config, model_path: Path, tracker: Tracker, step: int, version: 
     if cfg.eval.greedy:
         runs["greedy"] = replace(cfg, eval=replace(cfg.eval, temperature=0.0, samples_per_prompt=1, k=1))
     for name, run_cfg in runs.items():
-        result: EvalResult = evaluate_model(str(model_path), run_cfg, tracking_uri=tracking_uri(cfg),
+        result: EvalResult = evaluate_model(str(model_path), run_cfg, tracking_uri=cfg.tracking_uri,
                                             engine=cfg.rollout.engine, label=f"sft eval ({name})")  # fmt: skip
         out[f"{name}_accuracy"] = result.accuracy
         out[f"{name}_accuracy_se"] = result.stderr

@@ -138,3 +138,30 @@ def test_smollm2_sft_then_rl_from_its_output(smollm2_dir, tmp_path):
     assert rl_summary["steps"] == 2
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines() if line]
     assert [int(r["step"]) for r in rows] == [1, 2] and all(r["rollout/samples"] == 8 for r in rows)
+
+
+def test_filter_prompts_keeps_the_prompts_in_the_pass_rate_band(tiny_model_dir, tmp_path):
+    """`trustbatch filter-prompts`: n samples of each data.train prompt; the kept ones load as data.train."""
+    from typer.testing import CliRunner
+
+    from app.cli import app
+    from app.data import load_prompts
+
+    out = tmp_path / "edge.jsonl"
+    result = CliRunner().invoke(app, [
+        "filter-prompts", str(REPO / "configs" / "quickstart.yaml"), *TINY_DATA, f"run.dir={tmp_path / 'run'}",
+        "--model", str(tiny_model_dir), "--n", "4", "--low", "0.25", "--high", "0.75", "--num", "40",
+        "--engine", "embedded", "--out", str(out),
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    kept = load_prompts(out)
+    line = next(x for x in result.output.splitlines() if x.startswith("pass rates of 40 prompts (4 samples each): "))
+    counts = dict(part.split(": ") for part in line.split("each): ")[1].split(", "))
+    in_band = sum(v for k, v in ((int(k.split("/")[0]), int(v)) for k, v in counts.items()) if 1 <= k <= 3)
+    assert sum(int(v) for v in counts.values()) == 40 and len(kept) == in_band
+    assert f"kept {in_band} of 40 prompts" in result.output
+    assert all(0.25 <= row.metadata["pass_rate"] <= 0.75 for row in kept)
+    assert all(row.id.startswith("arithmetic-train-") for row in kept)  # the train split, not the held-out one
+    bad = CliRunner().invoke(app, ["filter-prompts", str(REPO / "configs" / "quickstart.yaml"), "--model",
+                                   str(tiny_model_dir), "--low", "0.9", "--high", "0.1"])  # fmt: skip
+    assert bad.exit_code == 2 and "must satisfy 0 <= low <= high <= 1" in bad.output
