@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 from tqdm import tqdm
 
-from app.config import Config
+from app.config import Config, ConfigError
 from app.rollout.fleet import PublishHooks
 from app.scoring import score_texts
 from app.training.batching import build_train_batch
@@ -51,7 +51,8 @@ from app.training.records import (
     step_metrics,
 )  # fmt: skip
 from app.training.resume import resume_run
-from app.training.setup import Parts, PromptSampler, setup
+from app.training.sampler import PromptSampler
+from app.training.setup import Parts, setup
 from trainer.advantages import group_advantages, informative_groups
 from trainer.step import TrainBatch, train_step
 
@@ -61,6 +62,11 @@ log = logging.getLogger("trustbatch")
 def run(cfg: Config) -> dict:
     t_start = time.perf_counter()
     cfg, resume = resume_run(cfg)
+    if resume.state.get("kind") == "sft":
+        raise ConfigError(
+            f"resume={cfg.resume}: {resume.checkpoint} is a checkpoint of `trustbatch sft`; resume it with "
+            f"`trustbatch sft`, or train from it with model.path={resume.checkpoint / 'model'}"
+        )
     p = setup(cfg, resume)
     try:
         return asyncio.run(train(p, t_start))

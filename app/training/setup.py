@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,56 +38,6 @@ from trainer.model import build_tiny_tokenizer, load_model
 from trainer.optim import build_optimizer
 
 log = logging.getLogger("trustbatch")
-
-
-class PromptSampler:
-    """Seeded epochs over the training prompts; `cursor` is the data position (for resumption).
-
-    With ``skip_decided`` (rollout.skip_decided) > 0, a prompt reported `decided` (its latest group all right or
-    all wrong) is passed over its next ``skip_decided`` draws; `skipped` counts the draws passed over. Never
-    more than one epoch of passes in one `take`, so a run whose prompts are all decided still gets prompts.
-    """
-
-    def __init__(self, size: int, seed: int, cursor: int = 0, skip_decided: int = 0):
-        self.size, self.seed, self.cursor, self.skip_decided = size, seed, cursor, skip_decided
-        self.skip_left: dict[int, int] = {}
-        self.skipped = 0
-        self._epoch: tuple[int, list[int]] = (-1, [])
-
-    def _order(self, epoch: int) -> list[int]:
-        if self._epoch[0] != epoch:
-            order = list(range(self.size))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            self._epoch = (epoch, order)
-        return self._epoch[1]
-
-    def take(self, k: int) -> list[int]:
-        out: list[int] = []
-        passes = 0
-        while len(out) < k:
-            epoch, offset = divmod(self.cursor, self.size)
-            index = self._order(epoch)[offset]
-            self.cursor += 1
-            left = self.skip_left.get(index, 0)
-            if left and passes < self.size:
-                passes += 1
-                self.skipped += 1
-                if left == 1:
-                    del self.skip_left[index]
-                else:
-                    self.skip_left[index] = left - 1
-                continue
-            out.append(index)
-        return out
-
-    def decided(self, index: int, decided: bool) -> None:
-        """Report prompt ``index``'s latest group: all right or all wrong (``decided``), or mixed."""
-        if not self.skip_decided:
-            return
-        if decided:
-            self.skip_left[index] = self.skip_decided
-        else:
-            self.skip_left.pop(index, None)
 
 
 @dataclass

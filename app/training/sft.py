@@ -39,9 +39,9 @@ from app.evaluation.run import EvalResult
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
 from app.training.resume import resume_run
-from app.training.setup import start_process
+from app.training.setup import restore, start_process
 from app.training.sft_loop import FitSettings, fit
-from trainer.checkpoint import load_checkpoint, prune_checkpoints, save_checkpoint, step_dir
+from trainer.checkpoint import prune_checkpoints, save_checkpoint, step_dir
 from trainer.distributed import DistInfo, Reducer, barrier, shard_model
 from trainer.model import load_model
 from trainer.optim import build_optimizer
@@ -83,8 +83,7 @@ def run_sft(cfg: Config) -> dict:
     model.train()
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps)
     if resume.checkpoint is not None:
-        load_checkpoint(resume.checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, rank=dist.rank)
-        log.info("resuming %s from %s (step %d)", cfg.run.path, resume.checkpoint, resume.step)
+        restore(cfg, resume, model, optimizer, scheduler, dist.rank)
     tracker = Tracker(cfg.tracking, cfg.run.path, run_name=cfg.run.name, enabled=dist.is_main,
                       resume_run_id=resume.state.get("mlflow_run_id"), tags={"trustbatch.command": "sft"})  # fmt: skip
     try:

@@ -6,7 +6,6 @@ the algorithm of one step (loss, micro-batches, FSDP2 scaling) is trainer/sft.py
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,26 +13,9 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from app.training.sampler import PromptSampler
 from trainer.distributed import LocalReducer, Reducer
 from trainer.sft import Example, held_out_loss, plan_sft_step, sft_step
-
-
-class EpochSampler:
-    """Seeded epochs over ``size`` examples: each epoch a fresh permutation; ``cursor`` counts examples taken."""
-
-    def __init__(self, size: int, seed: int, cursor: int = 0):
-        self.size, self.seed, self.cursor = size, seed, cursor
-
-    def take(self, k: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < k:
-            epoch, offset = divmod(self.cursor, self.size)
-            order = list(range(self.size))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
-            n = min(k - len(out), self.size - offset)
-            out += order[offset : offset + n]
-            self.cursor += n
-        return out
 
 
 @dataclass
@@ -79,7 +61,7 @@ def fit(
     """
     reducer = reducer or LocalReducer()
     world = reducer.world_size
-    sampler = EpochSampler(len(train), settings.seed, cursor=start * settings.batch_size)
+    sampler = PromptSampler(len(train), settings.seed, cursor=start * settings.batch_size)
 
     def evaluate() -> float:
         return held_out_loss(model, held_out[rank::world], settings.micro_batch_size, pad_id, reducer)

@@ -14,13 +14,14 @@ import os
 import socket
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from mlflow import MlflowClient
 from safetensors.torch import load_file
 
-from app.config import load_config
+from app.config import ConfigError, load_config
 from app.training.loop import run
 from app.training.sft import run_sft
 
@@ -72,6 +73,11 @@ def test_sft_trains_checkpoints_registers_verifies_and_train_takes_its_output(ti
     assert rl_summary["steps"] == 1
     sft_weights = load_file(str(root / "step-000004" / "model" / "model.safetensors"))
     assert rl_summary["initial_accuracy"] is not None and sft_weights
+    # Each command resumes only its own checkpoints, and says what to do instead.
+    with pytest.raises(ConfigError, match=r"is a checkpoint of `train`, not of `sft`"):
+        run_sft(_tiny_cfg(tmp_path, tiny_model_dir, f"resume={tmp_path / 'rl'}"))
+    with pytest.raises(ConfigError, match=r"is a checkpoint of `trustbatch sft`; .* model\.path="):
+        run(replace(rl, resume=str(tmp_path / "sft")))
 
 
 def test_resume_reaches_the_weights_of_an_uninterrupted_run(tiny_model_dir, tmp_path):

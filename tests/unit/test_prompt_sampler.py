@@ -1,11 +1,11 @@
-"""The training prompt order (app/training/setup.py PromptSampler) and rollout.skip_decided, the online filter."""
+"""The training prompt order (app/training/sampler.py) and rollout.skip_decided, the online filter."""
 
 from __future__ import annotations
 
 import pytest
 
 from app.config import load_config
-from app.training.setup import PromptSampler
+from app.training.sampler import PromptSampler
 
 
 def test_epochs_are_seeded_permutations_and_resumable():
