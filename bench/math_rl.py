@@ -1,8 +1,11 @@
 """Report the SmolLM2 math pipeline stage by stage: base → SFT (configs/smollm2-sft.yaml) → RL
 (configs/smollm2-math.yaml), from what the runs wrote, and draw its curves.
 
-    .venv/bin/python bench/math_rl.py --sft runs/smollm2-sft --rl runs/smollm2-math [--base base.json] \\
-        [--out bench/results/math_rl.json] [--plot bench/plots/smollm2_math.png]
+    .venv/bin/python bench/math_rl.py --sft runs/smollm2-sft --rl runs/smollm2-math [--rl RUN_DIR2 ...] \\
+        [--base base.json] [--out bench/results/math_rl.json] [--plot bench/plots/smollm2_math.png]
+
+Several --rl runs (e.g. learning rates) are drawn side by side; a run stopped before its end (no summary.json)
+contributes its training curve and step metrics only.
 
 - Base: `trustbatch eval <base model> --config configs/smollm2-sft.yaml --out base.json` (same held-out prompts
   and settings), when given.
@@ -59,7 +62,47 @@ def sft_curves(summary: dict) -> dict[str, list[tuple[int, float]]]:
     }  # fmt: skip
 
 
-def plot(path: Path, curves: dict, rl_rows: list[dict], table: list[tuple[str, float | None, float | None]]) -> None:
+def window(rows: list[dict], key: str, lo: int, hi: int) -> float:
+    part = rows[lo:hi]
+    return sum(r[key] for r in part) / len(part)
+
+
+def rl_report(run_dir: Path) -> dict:
+    rows = rows_of(run_dir)
+    n = len(rows)
+    k = min(20, max(1, n // 3))
+    out = {
+        "run_dir": str(run_dir),
+        "lr": json.loads(json.dumps(_lr(run_dir))),
+        "steps": n,
+        "samples": int(sum(r["rollout/samples"] for r in rows)),
+        "train_min": sum(r["timing/step"] for r in rows) / 60,
+        "samples_per_s": sum(r["rollout/samples"] for r in rows) / sum(r["timing/step"] for r in rows),
+        "trainer_tokens_per_s": window(rows, "perf/train_tokens_per_s", 0, n),
+        "rollout_utilisation": window(rows, "rollout/utilisation", 0, n),
+        "train_utilisation": window(rows, "train/utilisation", 0, n),
+        "completion_tokens": window(rows, "rollout/response_len/mean", 0, n),
+        "truncated": window(rows, "rollout/truncated_frac", 0, n),
+        "window_steps": k,
+        "train_accuracy_first": window(rows, "reward/correct", 0, k),
+        "train_accuracy_last": window(rows, "reward/correct", n - k, n),
+        "zero_variance_first": window(rows, "advantage/zero_variance_groups", 0, k) / max(1, rows[0]["rollout/samples"] / 8),
+        "zero_variance_last": window(rows, "advantage/zero_variance_groups", n - k, n) / max(1, rows[0]["rollout/samples"] / 8),
+        "ess": window(rows, "loss/ess", 0, n),
+        "entropy": window(rows, "loss/entropy", 0, n),
+    }  # fmt: skip
+    if (run_dir / "summary.json").is_file():
+        out["held_out"] = rl_held_out(run_dir)
+    return out
+
+
+def _lr(run_dir: Path) -> float:
+    from app.config import load_config
+
+    return load_config(run_dir / "config.yaml").optim.lr
+
+
+def plot(path: Path, curves: dict, rl_runs: dict[str, list[dict]], table: list[tuple[str, float | None, float | None]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,13 +116,14 @@ def plot(path: Path, curves: dict, rl_rows: list[dict], table: list[tuple[str, f
     ax.set(title="SFT: loss on the reply tokens", xlabel="SFT step", ylabel="mean NLL per token")
     ax.legend()
     ax = axes[1]
-    steps = [int(r["step"]) for r in rl_rows]
-    correct = [r["reward/correct"] for r in rl_rows]
-    ax.plot(steps, correct, alpha=0.35, label="per step")
-    window = 5
-    smooth = [sum(correct[max(0, i - window + 1) : i + 1]) / len(correct[max(0, i - window + 1) : i + 1])
-              for i in range(len(correct))]  # fmt: skip
-    ax.plot(steps, smooth, label=f"mean of last {window} steps")
+    span = 10
+    for label, rl_rows in rl_runs.items():
+        steps = [int(r["step"]) for r in rl_rows]
+        correct = [r["reward/correct"] for r in rl_rows]
+        smooth = [sum(correct[max(0, i - span + 1) : i + 1]) / len(correct[max(0, i - span + 1) : i + 1])
+                  for i in range(len(correct))]  # fmt: skip
+        (line,) = ax.plot(steps, smooth, label=f"{label} (mean of last {span} steps)")
+        ax.plot(steps, correct, alpha=0.2, color=line.get_color())
     ax.set(title="RL: training accuracy on the prompts trained on", xlabel="RL step", ylabel="correct samples",
            ylim=(0, 1))  # fmt: skip
     ax.legend()
@@ -100,64 +144,50 @@ def plot(path: Path, curves: dict, rl_rows: list[dict], table: list[tuple[str, f
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft", type=Path, required=True)
-    parser.add_argument("--rl", type=Path, required=True)
-    parser.add_argument("--base", type=Path, help="trustbatch eval --out JSON of the base model")
+    parser.add_argument("--rl", type=Path, action="append", default=[])
+    parser.add_argument("--base", type=Path, nargs="*", default=[], help="trustbatch eval --out JSON(s) of the base model")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "math_rl.json")
     parser.add_argument("--plot", type=Path, default=REPO / "bench" / "plots" / "smollm2_math.png")
     args = parser.parse_args()
     sft = json.loads((args.sft / "summary.json").read_text())
-    rl = json.loads((args.rl / "summary.json").read_text())
-    rl_rows = rows_of(args.rl)
-    held = rl_held_out(args.rl)
-    base = json.loads(args.base.read_text()) if args.base else None
+    rl = [rl_report(run) for run in args.rl]
+    base = [json.loads(p.read_text()) for p in args.base]
 
     def pct(x) -> str:
         return "n/a" if x is None else f"{100 * x:.2f}%"
 
+    print(f"SFT: {sft['steps']} steps ({sft['epochs']:.2f} epochs of {sft['examples']}), {sft['train_s'] / 60:.1f} min, "
+          f"{sft['tokens_per_s']:.0f} tokens/s, padding {pct(sft['padding_fraction'])}; held-out loss "
+          f"{sft['held_out_loss_first']:.3f} -> {sft['held_out_loss_last']:.3f}; {sft.get('eval_prompts')} held-out "
+          f"problems: greedy {pct(sft.get('greedy_accuracy'))}, sampled {pct(sft.get('sampled_accuracy'))} ± "
+          f"{100 * (sft.get('sampled_accuracy_se') or 0):.2f}, boxed {pct(sft.get('sampled_answer_rate'))}")  # fmt: skip
     table: list[tuple[str, float | None, float | None]] = []
-    if base is not None:
-        print(f"base: {json.dumps({k: base.get(k) for k in ('pass_at_1', 'num_prompts')})}")
-    table.append(("SFT", held.get("greedy", {}).get("start"), held["sampled"]["start"]))
-    table.append(("SFT + RL", held.get("greedy", {}).get("end"), held["sampled"]["end"]))
-    train_s = rl["train_wall_s"]
-    tokens = sum(r.get("rollout/response_len/mean", 0) * r["rollout/samples"] for r in rl_rows)
-    report = {
-        "sft": {k: sft.get(k) for k in ("steps", "epochs", "examples", "train_s", "tokens_per_s", "padding_fraction",
-                                        "held_out_loss_first", "held_out_loss_last", "sampled_accuracy",
-                                        "sampled_accuracy_se", "greedy_accuracy", "sampled_answer_rate",
-                                        "greedy_answer_rate", "model_ref")},
-        "rl": {
-            "steps": rl["steps"], "train_samples": rl["train_samples"], "train_wall_s": train_s,
-            "samples_per_s": rl["samples_per_s"], "completion_tokens_per_s": tokens / train_s,
-            "trainer_tokens_per_s": sum(r.get("perf/train_tokens_per_s", 0) for r in rl_rows) / len(rl_rows),
-            "rollout_utilisation": rl["rollout_utilisation"], "train_utilisation": rl["train_utilisation"],
-            "truncated_first_5": sum(r["rollout/truncated_frac"] for r in rl_rows[:5]) / min(5, len(rl_rows)),
-            "truncated_last_5": sum(r["rollout/truncated_frac"] for r in rl_rows[-5:]) / min(5, len(rl_rows)),
-            "train_accuracy_first_5": sum(r["reward/correct"] for r in rl_rows[:5]) / min(5, len(rl_rows)),
-            "train_accuracy_last_5": sum(r["reward/correct"] for r in rl_rows[-5:]) / min(5, len(rl_rows)),
-            "held_out": held,
-        },  # fmt: skip
-        "base": base,
-    }
-    print(f"SFT: {sft['steps']} steps ({sft['epochs']:.2f} epochs), {sft['train_s'] / 60:.1f} min, "
-          f"{sft['tokens_per_s']:.0f} tokens/s; held-out loss {sft['held_out_loss_first']:.3f} -> "
-          f"{sft['held_out_loss_last']:.3f}")  # fmt: skip
-    for name in ("sampled", "greedy"):
-        if name in held:
-            r = held[name]
-            print(f"RL held-out {name} ({r['prompts']} prompts): SFT {pct(r['start'])} ± {100 * r['start_se']:.2f} -> "
-                  f"{pct(r['end'])} ± {100 * r['end_se']:.2f}; gain {100 * r['gain']:+.2f} ± {100 * r['gain_se']:.2f} "
-                  f"points ({r['gain_in_se'] or 0:.1f} SE); boxed {pct(r['start_answer_rate'])} -> "
-                  f"{pct(r['end_answer_rate'])}")  # fmt: skip
-    x = report["rl"]
-    print(f"RL: {x['steps']} steps, {x['train_samples']} samples in {train_s / 60:.1f} min: {x['samples_per_s']:.2f} "
-          f"samples/s, {x['completion_tokens_per_s']:.0f} completion tokens/s; rollout busy "
-          f"{100 * x['rollout_utilisation']:.0f}%, train busy {100 * x['train_utilisation']:.0f}%; truncated "
-          f"{pct(x['truncated_first_5'])} -> {pct(x['truncated_last_5'])}; training accuracy "
-          f"{pct(x['train_accuracy_first_5'])} -> {pct(x['train_accuracy_last_5'])} (first/last 5 steps)")  # fmt: skip
+    if base:  # trustbatch eval JSONs: the greedy one has temperature 0
+        by_t = {b["settings"]["temperature"] == 0: b["metrics"]["pass@1"]["value"] for b in base}
+        table.append(("base", by_t.get(True), by_t.get(False)))
+        print("base: " + ", ".join(f"{'greedy' if b['settings']['temperature'] == 0 else 'sampled'} "
+                                   f"{pct(b['metrics']['pass@1']['value'])} on {b['num_prompts']} problems, boxed "
+                                   f"{pct(b['answer_rate'])}, {b['completion_tokens_mean']:.1f} tokens" for b in base))  # fmt: skip
+    table.append(("SFT", sft.get("greedy_accuracy"), sft.get("sampled_accuracy")))
+    for r in rl:
+        print(f"RL lr {r['lr']:g}: {r['steps']} steps, {r['samples']} samples, {r['train_min']:.1f} min, "
+              f"{r['samples_per_s']:.2f} samples/s, trainer {r['trainer_tokens_per_s']:.0f} tokens/s, rollout busy "
+              f"{pct(r['rollout_utilisation'])}, train busy {pct(r['train_utilisation'])}; {r['completion_tokens']:.1f} "
+              f"tokens, truncated {pct(r['truncated'])}; training accuracy {pct(r['train_accuracy_first'])} -> "
+              f"{pct(r['train_accuracy_last'])} (first/last {r['window_steps']} steps); all-right-or-wrong groups "
+              f"{pct(r['zero_variance_first'])} -> {pct(r['zero_variance_last'])}; mean ESS {r['ess']:.4f}, entropy "
+              f"{r['entropy']:.3f}")  # fmt: skip
+        held = r.get("held_out")
+        if held:
+            for name in ("sampled", "greedy"):
+                if name in held:
+                    h = held[name]
+                    print(f"  held-out {name} ({h['prompts']}): {pct(h['start'])} -> {pct(h['end'])}, gain "
+                          f"{100 * h['gain']:+.2f} ± {100 * h['gain_se']:.2f} ({h['gain_in_se'] or 0:.1f} SE)")  # fmt: skip
+            table.append((f"RL lr {r['lr']:g}", held.get("greedy", {}).get("end"), held["sampled"]["end"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(args.plot, sft_curves(sft), rl_rows, table)
+    args.out.write_text(json.dumps({"sft": sft, "rl": rl, "base": base}, indent=2, default=str) + "\n")
+    plot(args.plot, sft_curves(sft), {f"lr {r['lr']:g}": rows_of(Path(r["run_dir"])) for r in rl}, table)
     print(f"wrote {args.out} and {args.plot}")
     return 0
 
