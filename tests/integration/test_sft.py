@@ -137,7 +137,8 @@ def test_smollm2_sft_then_rl_from_its_output(smollm2_dir, tmp_path):
     rl = load_config(REPO / "configs" / "smollm2-math.yaml", [
         f"model.path={summary['model_ref']}", f"run.dir={tmp_path / 'rl'}", f"tracking.uri={uri}", "run.steps=2",
         "run.time_limit_s=0", "data.num_train=8", "data.num_eval=2", "rollout.prompts_per_step=2",
-        "rollout.group_size=4", "eval.num_prompts=2", "eval.samples_per_prompt=1", "checkpoint.every=2",
+        "rollout.group_size=4", "trainer.micro_batch_size=8", "eval.num_prompts=2", "eval.samples_per_prompt=1",
+        "checkpoint.every=2",
     ])  # fmt: skip
     assert rl.objective.name == "ess"
     rl_summary = run(rl)
