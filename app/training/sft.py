@@ -137,8 +137,8 @@ def _train(cfg, dist: DistInfo, reducer: Reducer, model, tokenizer, optimizer, s
         time_limit_s=cfg.run.time_limit_s, label=f"sft {cfg.run.name}",
     )  # fmt: skip
     t_fit = time.perf_counter()
-    last = fit(model, optimizer, scheduler, tokenizer.pad_token_id, train.examples, held.examples, settings,
-               start=start, reducer=reducer, rank=dist.rank, on_step=on_step, on_checkpoint=on_checkpoint)  # fmt: skip
+    fit(model, optimizer, scheduler, tokenizer.pad_token_id, train.examples, held.examples, settings,
+        start=start, reducer=reducer, rank=dist.rank, on_step=on_step, on_checkpoint=on_checkpoint)  # fmt: skip
     fit_s = time.perf_counter() - t_fit
     barrier()
     if not dist.is_main:
@@ -165,7 +165,6 @@ def _train(cfg, dist: DistInfo, reducer: Reducer, model, tokenizer, optimizer, s
         "mlflow_run_id": tracker.run_id,
         "tracking_uri": cfg.tracking_uri,
     }  # fmt: skip
-    del last
     if cfg.sft.verify:
         summary.update(verify(cfg, model_path, tracker, step, saved.get("version")))
     summary["wall_s"] = time.perf_counter() - t_start
