@@ -195,10 +195,15 @@ def rollout_server(
     max_body_bytes: Annotated[
         int, typer.Option(help="Largest request body taken; a larger one answers 413.")
     ] = 8 * 1024 * 1024,
+    dtype: Annotated[
+        str, typer.Option(help="Compute dtype: float32, or bfloat16 (weights held in bf16, published ones cast).")
+    ] = "float32",
 ) -> None:
     """Serve a model on CPU behind SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
     if max_body_bytes < 1:
         _fail(f"--max-body-bytes {max_body_bytes} must be >= 1")
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype {dtype!r}: choose float32 or bfloat16")
     _setup_logging()
     from app.serving.server import rollout_server as run_server
 
@@ -211,6 +216,7 @@ def rollout_server(
             batch_window_ms=batch_window_ms,
             weight_version=weight_version,
             max_body_bytes=max_body_bytes,
+            dtype=dtype,
         )
     except ValueError as exc:
         _fail(str(exc))

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.data import DataConfig
+from app.engines import ENGINE_DTYPES
 from app.evaluation.config import EvalConfig
 from app.rollout.fleet import SupervisionConfig
 from app.rollout.sglang import SGLangClientConfig
@@ -152,6 +153,12 @@ class RolloutConfig:
     """Longest completion in tokens."""
     max_batch_size: int = 256
     """Sequences the engine decodes together."""
+    dtype: str = "float32"
+    """Compute dtype of the built-in engines (embedded and local): float32, or bfloat16, which holds the
+    served weights in bf16 (each published version is cast on load) and samples from float32 log-softmaxes
+    of bf16 logits. Faster where the hardware has bf16 (CPUs with avx512_bf16, GPUs); the trainer then
+    learns from an engine that differs from it in precision, which the ESS measures (bench/README.md, bf16).
+    A launched SGLang server takes rollout.sglang.launch.dtype instead."""
     skip_decided: int = 0
     """Online prompt filter: a prompt whose latest group was all right or all wrong (no advantage, so
     advantage.drop_zero_variance_groups would throw the group away) is passed over its next this-many draws
@@ -188,6 +195,8 @@ class RolloutConfig:
         bounded_int(self.max_new_tokens, "rollout.max_new_tokens", 1)
         if self.max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.dtype not in ENGINE_DTYPES:
+            raise ValueError(f"rollout.dtype={self.dtype!r} must be one of {list(ENGINE_DTYPES)}")
         if isinstance(self.max_lag, bool) or (isinstance(self.max_lag, str) and self.max_lag != "auto"):
             raise ValueError(
                 f"rollout.max_lag={self.max_lag!r} must be an integer >= 0 (0 = synchronous) or auto"

@@ -54,12 +54,18 @@ LOCAL_HEALTH_TIMEOUT_S = 180.0
 ``rollout.sglang.health_timeout_s`` says for SGLang's minutes of loading."""
 
 
+ENGINE_DTYPES = ("float32", "bfloat16")
+"""Compute dtypes of the built-in engines (rollout.dtype, `trustbatch rollout-server --dtype`)."""
+
+
 @dataclass
 class EngineOptions:
     """How an engine is started; every field has a default, so a command sets only what it takes."""
 
     max_batch_size: int = 256
     """Sequences the built-in engine (embedded or local) decodes together."""
+    dtype: str = "float32"
+    """Compute dtype of the built-in engine (embedded or local): one of `ENGINE_DTYPES` (rollout.dtype)."""
     sglang: SGLangClientConfig = field(default_factory=SGLangClientConfig)
     """The ``rollout.sglang`` section: client settings, and the ``urls`` of running servers or the ``launch``
     settings of servers to start."""
@@ -140,12 +146,17 @@ def open_engine(kind: str, model_dir: str | Path, options: EngineOptions | None 
     model_dir = Path(model_dir)
     python = options.sglang.launch.python
     resolved = resolve_kind(kind, sglang_python=None if python == "python" else python)
+    if options.dtype not in ENGINE_DTYPES:
+        raise ValueError(f"engine dtype {options.dtype!r}: choose one of {', '.join(ENGINE_DTYPES)}")
     if resolved == "embedded":
+        import torch
+
         from app.rollout.embedded import EmbeddedEngine
 
         engine = EmbeddedEngine.from_pretrained(
-            model_dir, max_batch_size=options.max_batch_size, policy_version=options.weight_version
-        )
+            model_dir, max_batch_size=options.max_batch_size, policy_version=options.weight_version,
+            dtype=getattr(torch, options.dtype),
+        )  # fmt: skip
         yield OpenEngine("embedded", engine, [])
         return
     if resolved == "sglang" and not options.sglang.urls and not _can_run_sglang(options.sglang.launch):
@@ -180,6 +191,7 @@ def _start(kind: EngineKind, model_dir: Path, options: EngineOptions, servers: l
         server = LocalServerProcess(
             model_dir,
             max_batch_size=options.max_batch_size,
+            dtype=options.dtype,
             log_path=log_dir / f"rollout-server-rank{options.rank}.log",
             weight_version=options.weight_version,
         )

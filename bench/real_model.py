@@ -14,13 +14,18 @@ builtin:word_problems:
   (c) real SGLang 0.5.23 on CPU (.venv-sglang, `make sglang-env`) on the same requests as (b).
   (d) peak memory: the peak RSS of each loop of (a) (each runs in its own process), and of each server's process
       tree (VmHWM summed over the server and its children).
+  (e) with --bf16: bfloat16 against float32 on each side. The built-in server with rollout.dtype=bfloat16 in
+      (b), `train_step` with trainer.compute_dtype=bfloat16 in (a), and what it costs in agreement: for each
+      pair (engine dtype, trainer compute dtype), the trainer's logprobs of the engine's own completions at
+      the same weights (lag 0) against the engine's behaviour logprobs: mean and largest |gap| per token, and
+      the ESS of the ratios, (sum r)^2 / (n sum r^2), as the objective computes it.
 
 Each timing is the median of --repeats runs after one warm-up. The batch of (a) is made of the completions the
 built-in server sampled in (b) (the first --train-sequences: two groups of the learning config), with their
 behaviour logprobs and +-1 advantages, so its lengths and padding are those of a training step.
 
     .venv/bin/python bench/real_model.py [--prompts 8] [--n 8] [--new 64] [--micro-batch 8]
-                                         [--train-sequences 16] [--repeats 2] [--no-sglang]
+                                         [--train-sequences 16] [--repeats 2] [--no-sglang] [--bf16]
                                          [--out bench/results/real_model.json]
 
 Takes about 15-20 minutes here with the defaults. Writes the JSON (bench/results/ is git-ignored).
@@ -185,7 +190,7 @@ def measure_hf_generate(model_dir: Path, prompts, params: SamplingParams, pad_id
 
 def _trainer_child(
     which: str, model_dir: str, completions: list[Completion], pad_id: int, micro: int, repeats: int, queue
-):
+):  # which: bare | trustbatch | shared | bf16
     """One loop in a fresh process, so that its peak RSS is that loop's own."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -204,7 +209,8 @@ def _trainer_child(
     loss_tokens = int(batch.loss_mask.sum())
 
     optimizer, _ = build_optimizer(model, OptimConfig(lr=1e-7, schedule="constant"), total_steps=1000)
-    cfg = TrainerConfig(micro_batch_size=micro, share_prompts=which == "shared")
+    cfg = TrainerConfig(micro_batch_size=micro, share_prompts=which == "shared",
+                        compute_dtype="bfloat16" if which == "bf16" else "float32")  # fmt: skip
     objective, reducer = ObjectiveConfig(name="ess"), LocalReducer()
 
     def trustbatch_step() -> None:
@@ -226,7 +232,7 @@ def _trainer_child(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step = {"bare": bare_step, "trustbatch": trustbatch_step, "shared": trustbatch_step}[which]
+    step = {"bare": bare_step, "trustbatch": trustbatch_step, "shared": trustbatch_step, "bf16": trustbatch_step}[which]
     step()  # warm-up (and AdamW's state)
     times = []
     for _ in range(repeats):
@@ -242,7 +248,8 @@ def _trainer_child(
 
 
 def measure_trainer(
-    model_dir: Path, completions, pad_id: int, micro: int, repeats: int, *, share_prompts: bool = False
+    model_dir: Path, completions, pad_id: int, micro: int, repeats: int, *, share_prompts: bool = False,
+    bf16: bool = False,
 ) -> dict:
     """Both loops (and `train_step` with trainer.share_prompts if asked), each in its own spawned process, one
     after the other. tokens/s counts the padded batch's attended tokens for every loop: the same work."""
@@ -251,6 +258,8 @@ def measure_trainer(
     which_loops = [("bare", "bare PyTorch"), ("trustbatch", "trustbatch train_step")]
     if share_prompts:
         which_loops.append(("shared", "train_step, share_prompts"))
+    if bf16:
+        which_loops.append(("bf16", "train_step, bf16 compute"))
     for which, name in which_loops:
         queue = ctx.Queue()
         child = ctx.Process(target=_trainer_child,
@@ -260,6 +269,44 @@ def measure_trainer(
         child.join()
         loops[name] = {k: result[k] for k in ("seconds", "tokens_per_s", "peak_rss_mib")}
     return {"batch": result["batch"], "loops": loops}
+
+
+# ------------------------------------------------------------------------------------------------ (e) agreement
+
+
+def precision_agreement(model_dir: Path, samples: dict[str, list[Completion]], pad_id: int, micro: int) -> dict:
+    """For each (engine dtype, trainer compute dtype): the trainer's logprobs of the engine's completions at the
+    same weights against the engine's own, per valid token: mean |gap|, largest |gap|, and the ESS."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from app.training.batching import build_train_batch
+    from trainer.logprobs import token_logprobs
+    from trainer.objective import ess_from_sums, ess_partial_sums, valid_token_mask
+    from trainer.precision import compute
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for engine_dtype, completions in samples.items():
+        batch = build_train_batch(completions, [0.0] * len(completions), pad_id=pad_id, temperature=1.0)
+        valid = valid_token_mask(batch.loss_mask, batch.old_logprobs)
+        for trainer_dtype in ("float32", "bfloat16"):
+            gaps, sums = [], torch.zeros(3, dtype=torch.float64)
+            for first in range(0, batch.batch_size, micro):
+                rows = slice(first, first + micro)
+                with torch.no_grad(), compute(model, trainer_dtype):
+                    logprobs, _ = token_logprobs(model, batch.input_ids[rows], batch.attention_mask[rows])
+                mask = valid[rows]
+                log_ratio = (logprobs - batch.old_logprobs[rows])[mask]
+                gaps.append(log_ratio.abs())
+                sums += ess_partial_sums((logprobs - batch.old_logprobs[rows]).exp(), mask)
+            gap = torch.cat(gaps)
+            out[f"engine {engine_dtype}, trainer {trainer_dtype}"] = {
+                "tokens": int(gap.numel()), "mean_abs_gap": round(float(gap.mean()), 5),
+                "max_abs_gap": round(float(gap.max()), 4), "ess": round(ess_from_sums(sums), 5),
+            }  # fmt: skip
+    return out
 
 
 # ------------------------------------------------------------------------------------------------------ main
@@ -275,6 +322,7 @@ def main() -> int:
     parser.add_argument("--train-sequences", type=int, default=16, help="completions in the batch of (a)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-sglang", action="store_true", help="skip (c)")
+    parser.add_argument("--bf16", action="store_true", help="also bfloat16 on each side, and (e)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "real_model.json"))
     args = parser.parse_args()
 
@@ -298,6 +346,11 @@ def main() -> int:
         print("(b) built-in rollout server ...", flush=True)
         builtin = LocalServerProcess(model_dir, max_batch_size=256, log_path=Path(logs) / "builtin.log")
         rollout["built-in server"] = measure_server(builtin, prompts, params, args.repeats)
+        if args.bf16:
+            print("(b) built-in rollout server, bfloat16 ...", flush=True)
+            builtin = LocalServerProcess(model_dir, max_batch_size=256, log_path=Path(logs) / "builtin16.log",
+                                         dtype="bfloat16")  # fmt: skip
+            rollout["built-in server, bf16"] = measure_server(builtin, prompts, params, args.repeats)
         print("(b) transformers generate ...", flush=True)
         rollout["transformers generate"] = measure_hf_generate(model_dir, prompts, params, pad_id, args.repeats)
         if not args.no_sglang and SGLANG_PYTHON.exists():
@@ -310,10 +363,14 @@ def main() -> int:
         elif not args.no_sglang:
             print(f"(c) skipped: no {SGLANG_PYTHON} (make sglang-env)")
     completions = rollout["built-in server"].pop("_completions")[: args.train_sequences]
+    samples = {"float32": completions}
+    if args.bf16:
+        samples["bfloat16"] = rollout["built-in server, bf16"].pop("_completions")[: args.train_sequences]
     rollout.get("SGLang (CPU)", {}).pop("_completions", None)
 
     print("(a) trainer against a bare fwd+bwd+AdamW loop ...", flush=True)
-    trainer = measure_trainer(model_dir, completions, pad_id, args.micro_batch, args.repeats)
+    trainer = measure_trainer(model_dir, completions, pad_id, args.micro_batch, args.repeats, bf16=args.bf16)
+    agreement = precision_agreement(model_dir, samples, pad_id, args.micro_batch) if args.bf16 else {}
 
     bare, ours = trainer["loops"]["bare PyTorch"], trainer["loops"]["trustbatch train_step"]
     base_gen = rollout["transformers generate"]["tokens_per_s"]
@@ -327,6 +384,12 @@ def main() -> int:
     for name, r in rollout.items():
         print(f"    {name:<24} {r['tokens_per_s']:>8.1f} tokens/s  {r['completions_per_s']:>6.2f} completions/s "
               f"({r['seconds']:.1f} s, {r['new_tokens']} tokens)  x{r['tokens_per_s'] / base_gen:.2f} of generate")  # fmt: skip
+    for name, r in agreement.items():
+        print(f"(e) {name:<34} mean |gap| {r['mean_abs_gap']:.5f}  max {r['max_abs_gap']:.4f}  "
+              f"ESS {r['ess']:.5f}  ({r['tokens']} tokens)")  # fmt: skip
+    if args.bf16:
+        print(f"(e) bf16 / float32: trainer x{trainer['loops']['train_step, bf16 compute']['tokens_per_s'] / ours['tokens_per_s']:.2f}, "
+              f"server x{rollout['built-in server, bf16']['tokens_per_s'] / rollout['built-in server']['tokens_per_s']:.2f}")  # fmt: skip
     print("(d) peak RSS: " + "; ".join(
         [f"{k} {r['peak_rss_mib']} MiB" for k, r in trainer["loops"].items()]
         + [f"{k} {r['peak_rss_mib']} MiB" for k, r in rollout.items() if "peak_rss_mib" in r]))  # fmt: skip
@@ -335,7 +398,7 @@ def main() -> int:
                            "micro_batch_size": args.micro_batch, "repeats": args.repeats},
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load": os.getloadavg()[0]},
-              "trainer": trainer, "rollout": rollout,
+              "trainer": trainer, "rollout": rollout, "agreement": agreement,
               "ratios": {"trainer_vs_bare": round(ours["tokens_per_s"] / bare["tokens_per_s"], 3),
                          **{f"{k}_vs_generate": round(r["tokens_per_s"] / base_gen, 3) for k, r in rollout.items()}}}  # fmt: skip
     out.write_text(json.dumps(report, indent=2) + "\n")

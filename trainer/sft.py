@@ -25,6 +25,7 @@ from torch import Tensor
 
 from trainer.distributed import LocalReducer, Reducer
 from trainer.logprobs import token_logprobs
+from trainer.precision import compute
 from trainer.step import clip_and_guard, optimizer_step
 
 
@@ -148,9 +149,11 @@ def plan_sft_step(
     )
 
 
-def masked_nll_sum(model: torch.nn.Module, mb: MicroBatch) -> Tensor:
-    """−Σ log π(target token) over the micro-batch's target positions."""
-    logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+def masked_nll_sum(model: torch.nn.Module, mb: MicroBatch, compute_dtype: str = "float32") -> Tensor:
+    """−Σ log π(target token) over the micro-batch's target positions (float32; the forward computes in
+    ``compute_dtype``, trainer/precision.py)."""
+    with compute(model, compute_dtype):
+        logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
     return -(logprobs * mb.loss_mask).sum()
 
 
@@ -162,6 +165,7 @@ def sft_step(
     max_grad_norm: float,
     reducer: Reducer | None = None,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    compute_dtype: str = "float32",
 ) -> dict[str, float]:
     """One optimizer step on ``plan``; returns the step's mean target-token loss (all ranks), the gradient norm,
     the learning rate and whether a non-finite loss or gradient made it skip the update."""
@@ -171,7 +175,8 @@ def sft_step(
     local = torch.zeros((), dtype=torch.float64)
     for mb in plan.micro_batches:
         nll = masked_nll_sum(
-            model, MicroBatch(mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device))
+            model, MicroBatch(mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device)),
+            compute_dtype,
         )
         (nll * scale).backward()
         local += nll.detach().to(torch.float64).cpu()
@@ -194,6 +199,7 @@ def held_out_loss(
     micro_batch_size: int,
     pad_id: int,
     reducer: Reducer | None = None,
+    compute_dtype: str = "float32",
 ) -> float:
     """Mean target-token loss over ``examples`` (this rank's share; summed over ranks), in eval mode."""
     reducer = reducer or LocalReducer()
@@ -204,7 +210,8 @@ def held_out_loss(
     local = torch.zeros(1, dtype=torch.float64)
     for mb in plan.micro_batches:
         local += masked_nll_sum(
-            model, MicroBatch(mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device))
+            model, MicroBatch(mb.input_ids.to(device), mb.attention_mask.to(device), mb.loss_mask.to(device)),
+            compute_dtype,
         ).to(torch.float64).cpu()
     model.train(was_training)
     return float(reducer.sum_(local).item()) / max(plan.num_targets, 1.0)

@@ -65,6 +65,7 @@ from trainer.objective import (
     policy_objective,
     valid_token_mask,
 )
+from trainer.precision import check_compute_dtype, compute
 
 ESS_SCOPES: tuple[str, ...] = ("micro_batch", "step", "sequence")
 # ess_scope=sequence: Σ ESS_i·n_i and Σ n_i, reduced with the SUM metrics and popped from the result.
@@ -182,6 +183,11 @@ class TrainerConfig:
     mask, with their own positions (trainer/logprobs.py). Same logprobs, fewer tokens through the model; pays
     when prompts are long next to the completions. Needs sdpa or eager attention. trainer/README.md."""
 
+    compute_dtype: str = "float32"
+    """float32, or bfloat16: forwards compute in bf16 over the float32 master weights (autocast on CPU, FSDP2's
+    MixedPrecisionPolicy on GPUs); logits are cast to float32 before the log-softmax, so logprobs, ratios,
+    the ESS and the loss stay float32 (trainer/precision.py; its cost measured in bench/README.md)."""
+
     grad_diagnostics_every: int = 0
     """Every this many steps, also log the pre-clip gradient norms of the policy term and of the behaviour-KL
     term alone (`train/grad_norm/policy`, `train/grad_norm/behaviour_kl`): two more forward+backward passes on
@@ -203,6 +209,7 @@ class TrainerConfig:
             )
         if not isinstance(self.share_prompts, bool):
             raise ValueError(f"trainer.share_prompts={self.share_prompts!r} must be true or false")
+        check_compute_dtype(self.compute_dtype)
         if self.ess_scope not in ESS_SCOPES:
             raise ValueError(f"trainer.ess_scope={self.ess_scope!r} must be one of {list(ESS_SCOPES)}")
 
@@ -255,9 +262,14 @@ class PolicyForward:
     model: torch.nn.Module
     share_prompts: bool
     temperature: float
+    compute_dtype: str = "float32"
 
     def __call__(self, mb: _MicroBatch) -> tuple[Tensor, Tensor]:
-        """(logprobs, entropy), both [b, l], with gradient unless run under no_grad."""
+        """(logprobs, entropy), both [b, l] float32, with gradient unless run under no_grad."""
+        with compute(self.model, self.compute_dtype):
+            return self._forward(mb)
+
+    def _forward(self, mb: _MicroBatch) -> tuple[Tensor, Tensor]:
         if self.share_prompts:
             logprobs, entropy = shared_prefix_token_logprobs(
                 self.model, mb.input_ids, mb.attention_mask, mb.mask,
@@ -501,7 +513,7 @@ def train_step(
         )
     device = next(model.parameters()).device
     plan = plan_step(batch, cfg.micro_batch_size, reducer, device)
-    forward = PolicyForward(model, cfg.share_prompts, batch.temperature)
+    forward = PolicyForward(model, cfg.share_prompts, batch.temperature, cfg.compute_dtype)
     ess_scope = EssScope.prepare(cfg.ess_scope, forward, plan.micro_batches, objective.max_log_ratio, reducer)
     diagnostics = grad_diagnostics(forward, plan, objective, ess_scope) if diagnose else {}
     trained = forward_backward(forward, plan, objective, ess_scope, part="all")

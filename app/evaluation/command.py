@@ -96,7 +96,9 @@ def evaluate_model(
         stop_token_ids=text.stop_token_ids,
         seed=settings.seed,
     )
-    options = EngineOptions(max_batch_size=cfg.rollout.max_batch_size, sglang=cfg.rollout.sglang)
+    options = EngineOptions(
+        max_batch_size=cfg.rollout.max_batch_size, sglang=cfg.rollout.sglang, dtype=cfg.rollout.dtype
+    )
     per_call = max(1, cfg.rollout.max_batch_size // n)
 
     def run(engine_or_generate, runner: RewardRunner, loop=None) -> EvalResult:

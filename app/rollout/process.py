@@ -259,8 +259,9 @@ class LocalServerProcess(ServerProcess):
         log_path: str | Path,
         port: int = 0,
         weight_version: int | str = "0",
+        dtype: str = "float32",
     ) -> None:
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.dtype = max_batch_size, dtype
         super().__init__(
             self._argv,
             model_dir=model_dir,
@@ -274,4 +275,4 @@ class LocalServerProcess(ServerProcess):
     def _argv(self, model_dir: Path, weight_version: str) -> list[str]:
         return [sys.executable, "-m", "app.cli", "rollout-server", "--model", str(model_dir),
                 "--port", str(self.port), "--max-batch-size", str(self.max_batch_size),
-                "--weight-version", weight_version]  # fmt: skip
+                "--weight-version", weight_version, "--dtype", self.dtype]  # fmt: skip

@@ -433,6 +433,7 @@ async def server_info(request: Request) -> dict:
         "max_body_bytes": state.max_body_bytes,
         "skip_tokenizer_init": state.model.tokenizer is None,
         "device": str(next(state.model.engine.model.parameters()).device),
+        "dtype": str(next(state.model.engine.model.parameters()).dtype).removeprefix("torch."),
         "startup_time": state.startup_time,
         "version": SERVER_VERSION,
         "frontend": "python",

@@ -51,12 +51,14 @@ class ServedEngineExited(RuntimeError):
     """The SGLang server that `serve` started exited on its own (its log tail is in the message)."""
 
 
-def load(model_dir: Path, *, max_batch_size: int, tokenizer_required: bool = True):
-    """(EmbeddedEngine, tokenizer) of an HF model directory; without ``tokenizer_required`` a directory with
-    no loadable tokenizer gives None (text input is then refused and output text is empty)."""
+def load(model_dir: Path, *, max_batch_size: int, tokenizer_required: bool = True, dtype: str = "float32"):
+    """(EmbeddedEngine, tokenizer) of an HF model directory, computing in ``dtype`` (float32 or bfloat16);
+    without ``tokenizer_required`` a directory with no loadable tokenizer gives None (text input is then
+    refused and output text is empty)."""
     from transformers import AutoTokenizer
 
-    with open_engine("embedded", model_dir, EngineOptions(max_batch_size=max_batch_size)) as opened:
+    options = EngineOptions(max_batch_size=max_batch_size, dtype=dtype)
+    with open_engine("embedded", model_dir, options) as opened:
         engine = opened.engine  # in process: nothing to stop
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -107,12 +109,13 @@ def rollout_server(
     batch_window_ms: float = 5.0,
     weight_version: str = "0",
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    dtype: str = "float32",
 ) -> None:
     """``trustbatch rollout-server``: serve ``model_dir`` behind SGLang's native API until interrupted."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ValueError(f"--model {str(model_dir)!r} is not a directory; give an HF model directory")
-    engine, tokenizer = load(model_dir, max_batch_size=max_batch_size, tokenizer_required=False)
+    engine, tokenizer = load(model_dir, max_batch_size=max_batch_size, tokenizer_required=False, dtype=dtype)
     app = create_app(
         engine,
         model_path=str(model_dir),

@@ -36,6 +36,7 @@ from trainer.checkpoint import load_checkpoint
 from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
 from trainer.model import build_tiny_tokenizer, load_model
 from trainer.optim import build_optimizer
+from trainer.precision import fsdp_param_dtype
 
 log = logging.getLogger("trustbatch")
 
@@ -165,7 +166,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     try:
         fleet = start_fleet(cfg, closing, model_dir, dist, resume, tokenizer)
         if dist.world_size > 1:
-            shard_model(model)
+            shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
         model.train()
         optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.run.steps)
         if resume.checkpoint is not None:
@@ -245,7 +246,7 @@ def start_fleet(
             engine_dir,
             EngineOptions(
                 max_batch_size=r.max_batch_size, sglang=r.sglang, log_dir=cfg.run.path, weight_version=version,
-                rank=dist.rank, wait=False,
+                rank=dist.rank, wait=False, dtype=r.dtype,
             ),  # fmt: skip
         )
     )

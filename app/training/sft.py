@@ -45,6 +45,7 @@ from trainer.checkpoint import prune_checkpoints, save_checkpoint, step_dir
 from trainer.distributed import DistInfo, Reducer, barrier, shard_model
 from trainer.model import load_model
 from trainer.optim import build_optimizer
+from trainer.precision import fsdp_param_dtype
 
 log = logging.getLogger("trustbatch")
 
@@ -79,7 +80,7 @@ def run_sft(cfg: Config) -> dict:
     )  # fmt: skip
 
     if dist.world_size > 1:
-        shard_model(model)
+        shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
     model.train()
     optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps)
     if resume.checkpoint is not None:
@@ -133,7 +134,8 @@ def _train(cfg, dist: DistInfo, reducer: Reducer, model, tokenizer, optimizer, s
 
     settings = FitSettings(
         steps=total_steps, batch_size=cfg.sft.batch_size, micro_batch_size=cfg.trainer.micro_batch_size,
-        max_grad_norm=cfg.trainer.max_grad_norm, seed=cfg.run.seed, eval_every=cfg.sft.eval_every,
+        max_grad_norm=cfg.trainer.max_grad_norm, compute_dtype=cfg.trainer.compute_dtype, seed=cfg.run.seed,
+        eval_every=cfg.sft.eval_every,
         time_limit_s=cfg.run.time_limit_s, label=f"sft {cfg.run.name}",
     )  # fmt: skip
     t_fit = time.perf_counter()

@@ -26,6 +26,7 @@ class FitSettings:
     batch_size: int
     micro_batch_size: int
     max_grad_norm: float
+    compute_dtype: str = "float32"
     seed: int = 0
     eval_every: int = 0
     time_limit_s: float = 0.0
@@ -64,7 +65,8 @@ def fit(
     sampler = PromptSampler(len(train), settings.seed, cursor=start * settings.batch_size)
 
     def evaluate() -> float:
-        return held_out_loss(model, held_out[rank::world], settings.micro_batch_size, pad_id, reducer)
+        return held_out_loss(model, held_out[rank::world], settings.micro_batch_size, pad_id, reducer,
+                             compute_dtype=settings.compute_dtype)  # fmt: skip
 
     metrics: dict[str, float] = {}
     if held_out and start == 0:
@@ -82,7 +84,7 @@ def fit(
             plan = plan_sft_step([train[i] for i in chosen[rank::world]], settings.micro_batch_size, pad_id, reducer)
             t_step = time.perf_counter()
             metrics = sft_step(model, optimizer, plan, max_grad_norm=settings.max_grad_norm, reducer=reducer,
-                               scheduler=scheduler)  # fmt: skip
+                               scheduler=scheduler, compute_dtype=settings.compute_dtype)  # fmt: skip
             elapsed = time.perf_counter() - t_step
             tokens = float(reducer.sum_(torch.tensor([float(plan.tokens)], dtype=torch.float64)).item())
             tokens_seen += int(tokens)

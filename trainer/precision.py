@@ -1,0 +1,59 @@
+"""Compute precision of the trainer: bfloat16 matmuls over float32 master weights (`trainer.compute_dtype`).
+
+With ``compute_dtype: bfloat16`` the weights, their gradients and the optimizer state stay in the model's own
+dtype (float32 by default, ``model.dtype``); only the forward's matrix products run in bfloat16:
+
+- on CPU, and on one GPU, through ``torch.autocast`` around each forward (`compute`): linear layers and
+  attention products in bf16, everything autocast keeps in float32 (norms, softmax) in float32; the backward
+  follows the forward's choices and leaves float32 gradients on the float32 weights;
+- on GPUs under FSDP2 through its ``MixedPrecisionPolicy`` instead (`fsdp_param_dtype`): each layer's
+  parameters are all-gathered in bf16 and its gradients reduce-scattered in float32 onto the float32 shards
+  (trainer/distributed.py `shard_model`). FSDP2 on CPU (gloo) keeps autocast.
+
+What stays float32 in both: the logits are cast to float32 before the log-softmax (trainer/logprobs.py), so
+log-probabilities, entropies, ratios, the ESS and the loss reduction are all computed in float32; only the
+logits themselves carry bf16 rounding. What that costs against float32 compute is measured in
+bench/real_model.py (the trainer-engine log-probability gap and the ESS at lag 0, per mode).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def check_compute_dtype(value: object, key: str = "trainer.compute_dtype") -> None:
+    if value not in COMPUTE_DTYPES:
+        raise ValueError(f"{key}={value!r} must be one of {list(COMPUTE_DTYPES)}")
+
+
+def fsdp_param_dtype(compute_dtype: str, device: torch.device) -> str | None:
+    """The ``param_dtype`` to give `shard_model`: bf16 FSDP2 mixed precision on CUDA, None elsewhere (autocast)."""
+    check_compute_dtype(compute_dtype)
+    return "bfloat16" if compute_dtype == "bfloat16" and device.type == "cuda" else None
+
+
+def compute(model: torch.nn.Module, compute_dtype: str) -> contextlib.AbstractContextManager:
+    """The context a forward of ``model`` runs in: autocast to bf16 for ``compute_dtype="bfloat16"`` unless the
+    model's parameters are already bf16 during compute (bf16 weights, or FSDP2 mixed precision); a no-op for
+    float32. Wrap the forward only: the backward replays the forward's dtype choices by itself."""
+    check_compute_dtype(compute_dtype)
+    if compute_dtype == "float32":
+        return contextlib.nullcontext()
+    param = next(model.parameters())
+    if param.dtype == torch.bfloat16 or _mixed_precision_sharded(model):
+        return contextlib.nullcontext()
+    return torch.autocast(param.device.type, dtype=torch.bfloat16)
+
+
+def _mixed_precision_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 already computes ``model`` in a lower precision (a ``mp_policy`` with a param dtype)."""
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is None:
+        return False
+    param_group = getattr(state(), "_fsdp_param_group", None)
+    policy = getattr(param_group, "mp_policy", None)
+    return policy is not None and policy.param_dtype not in (None, torch.float32)
