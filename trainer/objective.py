@@ -26,7 +26,10 @@ Metrics returned by `policy_objective` (all detached 0-dim float32 tensors), by 
 - SUM-ready (a masked sum divided by `num_tokens`; a SUM all-reduce over micro-batches and ranks gives the
   global mean): `loss/total`, `loss/policy`, `loss/kl_behaviour`, `loss/clipfrac`, `loss/ratio/mean`,
   `loss/entropy` (only when `entropy` is given), `loss/ref_kl` (only when `ref_logprobs` is given).
+  `loss/kl_knee_fraction` (valid tokens with log r < −10, where `k3_kl`'s knee binds).
 - MAX (keys ending in `/max`; reduce with MAX): `loss/ratio/max` (0 when the call has no valid token).
+- MIN (keys ending in `/min`; reduce with MIN): `loss/log_ratio/min`, the smallest log r = ℓ − b before any clamp
+  (+inf when the call has no valid token).
 - Per call (neither SUM nor MAX; the caller averages it over calls): `loss/ess`, the ESS the call used (with
   per-sequence ESS, their mean over the call's valid tokens).
 
@@ -193,9 +196,25 @@ def ess_from_sums(sums: Tensor) -> float:
 
 
 def k3_kl(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
-    """k3 estimator of KL(π ‖ π_other) per token: (ℓ − o) + exp(clamp(o − ℓ, −10, 10)) − 1, ≥ 0. [B, T]."""
+    """k3 estimator of KL(π ‖ π_other) per token: (ℓ − o) + exp(clamp(o − ℓ, −10, 10)) − 1, ≥ 0. [B, T].
+
+    The value is FeynRL's, clamp included (so the loss and its metrics equal FeynRL's). The gradient is not
+    the clamped expression's: below the knee log r = ℓ − o < −10 the clamp makes the exp term constant, and
+    the rest, ℓ − o, has gradient +1, which pushes a token that already fell e^10 below the other policy
+    further down. The gradient here is k3's own, 1 − 1/r, with 1/r held at its knee value e^10 below the
+    knee: the same sign as k3's everywhere (toward the other policy), continuous, and at most e^10 − 1 in
+    size (trainer/README.md, "The k3 knee").
+    """
     log_ratio = logprobs - other_logprobs
-    return log_ratio + torch.exp((-log_ratio).clamp(-_KL_EXP_CLAMP, _KL_EXP_CLAMP)) - 1.0
+    value = log_ratio + torch.exp((-log_ratio).clamp(-_KL_EXP_CLAMP, _KL_EXP_CLAMP)) - 1.0
+    grad = 1.0 - torch.exp((-log_ratio).clamp(max=_KL_EXP_CLAMP))  # d value / d ℓ, knee held below −10
+    # value in the forward; grad (and −grad for o) in the backward.
+    return value.detach() + grad.detach() * (log_ratio - log_ratio.detach())
+
+
+def kl_knee_mask(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
+    """Where `k3_kl`'s knee binds: log r = ℓ − o below −10 (its value clamped, its gradient held). [B, T] bool."""
+    return (logprobs - other_logprobs) < -_KL_EXP_CLAMP
 
 
 def k2_kl(logprobs: Tensor, other_logprobs: Tensor) -> Tensor:
@@ -428,11 +447,14 @@ def policy_objective(
 
     loss = loss_sum / denom
     ratio_valid = torch.where(mask, ratio.detach(), 0.0)
+    log_ratio_valid = torch.where(mask, (logp - old).detach(), math.inf)
     metrics.update(
         {
             "loss/total": loss.detach(),
             "loss/policy": policy_sum.detach() / denom,
             "loss/kl_behaviour": kl_sum.detach() / denom,
+            "loss/kl_knee_fraction": (kl_knee_mask(logp, old) & mask).sum().float() / denom,
+            "loss/log_ratio/min": log_ratio_valid.min() if log_ratio_valid.numel() else logp.new_tensor(math.inf),
             "loss/clipfrac": (capped & mask).sum().float() / denom,
             "loss/ratio/mean": ratio_valid.sum() / denom,
             "loss/ratio/max": ratio_valid.max() if ratio_valid.numel() else ratio_valid.new_zeros(()),

@@ -375,14 +375,16 @@ class PassResult:
     sum_metrics: dict[str, Tensor] = field(default_factory=dict)
     """SUM-reduced metrics (float64), `_SEQ_ESS_*` included."""
     max_metrics: dict[str, Tensor] = field(default_factory=dict)
-    """MAX-reduced metrics (keys ending in `/max`)."""
+    """MAX-reduced metrics (keys ending in `/max`; keys ending in `/min` are held negated here)."""
     ess_values: list[float] = field(default_factory=list)
     """The scalar ESS of each micro-batch (none for the per-sequence scope)."""
 
     def add(self, key: str, value: Tensor) -> None:
-        """Accumulate one micro-batch's metric: MAX for keys ending in `/max`, SUM for the rest."""
+        """Accumulate one micro-batch's metric: MAX for keys ending in `/max`, MIN for `/min`, SUM for the rest."""
         value = value.detach().to(torch.float64)
-        if key.endswith("/max"):
+        if key.endswith("/min"):
+            value = -value  # min x = −max(−x): one MAX reduction for both
+        if key.endswith(("/max", "/min")):
             old = self.max_metrics.get(key)
             self.max_metrics[key] = value if old is None else torch.maximum(old, value)
         else:
@@ -482,7 +484,10 @@ def reduce_metrics(result: PassResult, ess_scope: EssScope, reducer: Reducer) ->
         reduced.update(zip(sum_keys, summed.tolist(), strict=True))
     if max_keys:
         maxed = reducer.max_(torch.stack([result.max_metrics[k] for k in max_keys]).cpu())
-        reduced.update(zip(max_keys, maxed.tolist(), strict=True))
+        for key, value in zip(max_keys, maxed.tolist(), strict=True):
+            if key.endswith("/min"):  # held negated; +inf (no valid token anywhere) is reported as NaN
+                value = -value if math.isfinite(value) else math.nan
+            reduced[key] = value
     reduced["loss/ess"] = ess_scope.reported(reduced, result.ess_values)
     return reduced
 

@@ -425,6 +425,53 @@ def test_capped_k3_gradient_stays_bounded_where_k3s_explodes():
     assert abs(left.item() - right.item()) < 2e-3
 
 
+def test_k3_gradient_never_pushes_a_token_away_from_the_other_policy():
+    """Issue: past the knee log r < −10 the clamped formula's gradient was +1 (down); k3's is 1 − 1/r < 0."""
+    from trainer.objective import k3_kl
+
+    log_r = torch.linspace(-30.0, 30.0, 6001, dtype=torch.float32).reshape(1, -1).requires_grad_(True)
+    zero = torch.zeros_like(log_r)
+    grad = _grad(k3_kl(log_r, zero).sum(), log_r)[0]
+    exact = -torch.expm1(-log_r.detach()[0].double())  # 1 − 1/r
+    assert torch.equal(torch.sign(grad.double()), torch.sign(exact))
+    # Equal to k3's own gradient above the knee, held at its knee value 1 − e^10 below it.
+    above = log_r.detach()[0] >= -10.0
+    torch.testing.assert_close(grad[above].double(), exact[above], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad[~above], torch.full_like(grad[~above], 1.0 - math.exp(10.0)))
+    # The numbers of the issue, at log r = −20, −12, −10.5, −9, −2, 2, 12.
+    points = torch.tensor([[-20.0, -12.0, -10.5, -9.0, -2.0, 2.0, 12.0]], requires_grad=True)
+    got = _grad(k3_kl(points, torch.zeros_like(points)).sum(), points)[0]
+    knee = 1.0 - math.exp(10.0)
+    want = torch.tensor([knee, knee, knee, 1 - math.exp(9.0), 1 - math.exp(2.0), 1 - math.exp(-2.0), 1 - math.exp(-12.0)])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_k3_value_is_unchanged_and_its_gradient_continuous_at_the_knee():
+    from trainer.objective import k3_kl
+
+    log_r = torch.tensor([[-25.0, -10.0 - 1e-3, -10.0 + 1e-3, -3.0, 0.0, 4.0]], requires_grad=True)
+    zero = torch.zeros_like(log_r)
+    value = k3_kl(log_r, zero)
+    clamped = log_r.detach() + torch.exp((-log_r.detach()).clamp(-10.0, 10.0)) - 1.0  # FeynRL's formula
+    torch.testing.assert_close(value.detach(), clamped)
+    grad = _grad(value.sum(), log_r)[0]
+    assert abs(grad[1].item() - grad[2].item()) / abs(grad[2].item()) < 2e-3  # 1 − e^(10 ± 1e-3)
+    # The gradient with respect to the other policy's logprobs is the opposite one.
+    other = torch.zeros(1, 6, requires_grad=True)
+    (g_other,) = torch.autograd.grad(k3_kl(log_r.detach(), other).sum(), other)
+    torch.testing.assert_close(g_other[0], -grad)
+
+
+def test_knee_fraction_and_smallest_log_ratio_are_reported():
+    logprobs = torch.tensor([[-20.0, -1.0, -2.0, 0.0]])
+    old = torch.tensor([[-1.0, -1.5, -2.0, float("nan")]])
+    mask = torch.tensor([[True, True, True, True]])
+    adv = torch.ones(1, 4)
+    _, metrics = policy_objective(logprobs, old, adv, mask, ObjectiveConfig(name="ess"), num_tokens=3)
+    assert metrics["loss/kl_knee_fraction"].item() == pytest.approx(1 / 3)  # log r = −19 of 3 valid tokens
+    assert metrics["loss/log_ratio/min"].item() == pytest.approx(-19.0)
+
+
 @pytest.mark.parametrize("estimator", ["k2", "k3_capped"])
 def test_ess_loss_uses_the_chosen_behaviour_kl_and_leaves_the_policy_term(estimator):
     from trainer.objective import k2_kl, k3_kl_capped
