@@ -41,7 +41,9 @@ Metrics returned (Python floats, identical on every rank): the objective's `loss
 micro-batches and ranks as trainer/objective.py describes, plus `train/grad_norm` (before clipping),
 `train/clipped` (1 when clipping changed the gradient), `train/lr`, `train/num_tokens`, `train/micro_batches`,
 `train/skipped` and `timing/train_step`; with `diagnose=True` also `train/grad_norm/policy` and
-`train/grad_norm/behaviour_kl`. What each one means is in the metric glossary, trainer/README.md.
+`train/grad_norm/behaviour_kl`; with `TrainBatch.fresh` rows at policy lag 0, `loss/ess_lag0`,
+`loss/logprob_gap_lag0` and `loss/lag0_tokens` (the engine's mismatch apart from staleness). What each one
+means is in the metric glossary, trainer/README.md.
 """
 
 from __future__ import annotations
@@ -94,6 +96,10 @@ class TrainBatch:
     temperature: float = 1.0
     """Sampling temperature of the rollouts: the trainer's logprobs and entropies are computed at it, so they
     are comparable with the behaviour logprobs (which engines report at the sampling temperature)."""
+    fresh: Tensor | None = None
+    """[B] bool, True for rows sampled with the weights the trainer holds (policy lag 0), or None (unknown).
+    Their ratios differ from 1 only by the engine's mismatch with the trainer (precision, kernels, batching):
+    `loss/ess_lag0` and `loss/logprob_gap_lag0` measure it apart from staleness."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature <= 0:
@@ -143,6 +149,11 @@ class TrainBatch:
                 f"TrainBatch.loss_mask is True on padding (attention_mask 0) in rows {_rows(outside.any(1))} "
                 f"({shapes})"
             )
+        if self.fresh is not None and (
+            not isinstance(self.fresh, Tensor) or self.fresh.dtype != torch.bool
+            or tuple(self.fresh.shape) != (self.input_ids.shape[0],)
+        ):  # fmt: skip
+            raise ValueError(f"TrainBatch.fresh must be a [B] bool tensor or None ({shapes})")
         bad_adv = self.loss_mask & ~torch.isfinite(self.advantages)
         if bad_adv.any():
             raise ValueError(
@@ -222,6 +233,7 @@ class _MicroBatch:
     old_logprobs: Tensor
     advantages: Tensor
     ref_logprobs: Tensor | None
+    fresh: Tensor | None = None  # [b] bool: rows at policy lag 0 (TrainBatch.fresh)
 
 
 def _micro_batches(
@@ -241,6 +253,7 @@ def _micro_batches(
         if padding:
             mask = torch.zeros_like(mask)
         ref = batch.ref_logprobs[cols] if batch.ref_logprobs is not None else None
+        fresh = batch.fresh[rows] if batch.fresh is not None else None
         out.append(
             _MicroBatch(
                 input_ids=batch.input_ids[cols].to(device, non_blocking=True),
@@ -249,6 +262,7 @@ def _micro_batches(
                 old_logprobs=batch.old_logprobs[cols].to(device, non_blocking=True),
                 advantages=batch.advantages[cols].to(device, non_blocking=True),
                 ref_logprobs=ref.to(device, non_blocking=True) if ref is not None else None,
+                fresh=fresh.to(device, non_blocking=True) if fresh is not None else None,
             )
         )
     return out
@@ -406,6 +420,9 @@ def forward_backward(
         ess, ess_sums = ess_scope.micro_batch_ess(logprobs, mb)
         for key, value in ess_sums.items():
             result.add(key, value)
+        if mb.fresh is not None:
+            for key, value in _lag0_sums(logprobs, mb).items():
+                result.add(key, value)
         loss, metrics = policy_objective(
             logprobs,
             mb.old_logprobs,
@@ -475,6 +492,31 @@ def optimizer_step(
     return lr
 
 
+_LAG0 = ("_lag0/sum_r", "_lag0/sum_r2", "_lag0/tokens", "_lag0/sum_abs_log_r")
+
+
+def _lag0_sums(logprobs: Tensor, mb: _MicroBatch) -> dict[str, Tensor]:
+    """SUM-reduced sums over the micro-batch's valid tokens of lag-0 rows: Σr, Σr², n and Σ|log r| (detached)."""
+    assert mb.fresh is not None
+    mask = mb.mask & mb.fresh[:, None]
+    log_ratio = torch.where(mask, logprobs.detach().float() - torch.where(mask, mb.old_logprobs, 0.0), 0.0)
+    sums = ess_partial_sums(log_ratio.exp(), mask)
+    return dict(zip(_LAG0, [*sums, log_ratio.abs().sum().to(torch.float64)], strict=True))
+
+
+def _lag0_metrics(reduced: dict[str, float]) -> dict[str, float]:
+    """`loss/ess_lag0` and `loss/logprob_gap_lag0` from the reduced lag-0 sums (popped); none without lag-0
+    tokens in the step."""
+    sums = [reduced.pop(key, 0.0) for key in _LAG0]
+    if sums[2] <= 0:
+        return {}
+    return {
+        "loss/ess_lag0": ess_from_sums(torch.tensor(sums[:3], dtype=torch.float64)),
+        "loss/logprob_gap_lag0": sums[3] / sums[2],
+        "loss/lag0_tokens": sums[2],
+    }
+
+
 def reduce_metrics(result: PassResult, ess_scope: EssScope, reducer: Reducer) -> dict[str, float]:
     """The pass's metrics over micro-batches and ranks: SUM keys summed, `/max` keys maxed, and `loss/ess`."""
     reduced: dict[str, float] = {}
@@ -489,6 +531,7 @@ def reduce_metrics(result: PassResult, ess_scope: EssScope, reducer: Reducer) ->
                 value = -value if math.isfinite(value) else math.nan
             reduced[key] = value
     reduced["loss/ess"] = ess_scope.reported(reduced, result.ess_values)
+    reduced.update(_lag0_metrics(reduced))
     return reduced
 
 

@@ -253,7 +253,8 @@ async def train_one_step(
     taken = await buffer.take(per_rank, trainer_version=step - 1)
     t1 = time.perf_counter()
     groups = [item.item for item in taken]
-    batch, rewards, stats = to_train_batch(p, groups)
+    lags = [step - 1 - item.version for item in taken]
+    batch, rewards, stats = to_train_batch(p, groups, lags)
     every = cfg.trainer.grad_diagnostics_every
     trained = await asyncio.to_thread(
         train_step, p.policy.model, p.policy.optimizer, batch, cfg.objective, p.reducer, cfg.trainer,
@@ -265,7 +266,7 @@ async def train_one_step(
     metrics = {
         "step": step,
         **step_metrics(
-            groups, [step - 1 - item.version for item in taken], rewards, stats, batch,
+            groups, lags, rewards, stats, batch,
             reducer=p.reducer, lag_limit=cfg.rollout.lag_limit,
         ),  # fmt: skip
         **trained,
@@ -282,8 +283,9 @@ async def train_one_step(
     return metrics
 
 
-def to_train_batch(p: Parts, groups: list[Group]) -> tuple[TrainBatch, torch.Tensor, dict]:
-    """Group advantages → the padded TrainBatch of the groups worth training on."""
+def to_train_batch(p: Parts, groups: list[Group], lags: list[int]) -> tuple[TrainBatch, torch.Tensor, dict]:
+    """Group advantages → the padded TrainBatch of the groups worth training on; rows of groups at policy lag
+    0 are marked `fresh` (their ratios measure the engine's mismatch alone)."""
     cfg = p.cfg
     rewards = torch.tensor([[s.reward for s in g.scores] for g in groups], dtype=torch.float32)
     advantages, stats = group_advantages(rewards, scale_by_std=cfg.advantage.scale_by_std)
@@ -297,7 +299,8 @@ def to_train_batch(p: Parts, groups: list[Group]) -> tuple[TrainBatch, torch.Ten
         pad_id=p.text.tokenizer.pad_token_id,
         temperature=cfg.rollout.temperature,
     )
-    return batch, rewards, stats
+    fresh = torch.tensor([lags[g] == 0 for g in keep for _ in groups[g].completions], dtype=torch.bool)
+    return replace(batch, fresh=fresh), rewards, stats
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -403,3 +403,29 @@ def test_shared_prompts_give_the_same_step(objective, ess_scope, micro_batch_siz
         assert shared_metrics[key] == pytest.approx(plain_metrics[key], rel=1e-5, abs=1e-7), key
     for key, grad in plain_grad.items():
         torch.testing.assert_close(shared_grad[key], grad, atol=1e-6, rtol=1e-4, msg=key)
+
+
+@pytest.mark.parametrize("micro_batch_size", [3, 64])
+def test_lag0_rows_measure_the_engine_mismatch_alone(micro_batch_size):
+    """loss/ess_lag0 and loss/logprob_gap_lag0 cover the `fresh` rows only, whatever the micro-batching."""
+    model = build_model()
+    batch = build_batch(model)
+    fresh = torch.arange(batch.batch_size) % 3 == 0
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, batch.input_ids, batch.attention_mask)
+    mask = valid_token_mask(batch.loss_mask, batch.old_logprobs) & fresh[:, None]
+    log_r = (logprobs - batch.old_logprobs)[mask].double()
+    expected_ess = float(log_r.exp().sum() ** 2 / (mask.sum() * log_r.exp().pow(2).sum()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    metrics = train_step(model, optimizer, _replace(batch, fresh=fresh), ObjectiveConfig(name="ess"), REDUCER,
+                         TrainerConfig(micro_batch_size=micro_batch_size))  # fmt: skip
+    assert metrics["loss/ess_lag0"] == pytest.approx(expected_ess, rel=1e-5)
+    assert metrics["loss/logprob_gap_lag0"] == pytest.approx(float(log_r.abs().mean()), rel=1e-5)
+    assert metrics["loss/lag0_tokens"] == float(mask.sum())
+    assert not any(key.startswith("_lag0") for key in metrics)
+    # No fresh row (or no `fresh` at all): nothing to report.
+    none = train_step(model, optimizer, _replace(batch, fresh=torch.zeros_like(fresh)), ObjectiveConfig(name="ess"),
+                      REDUCER, TrainerConfig(micro_batch_size=micro_batch_size))  # fmt: skip
+    assert "loss/ess_lag0" not in none
+    with pytest.raises(ValueError, match="fresh"):
+        _replace(batch, fresh=fresh[:-1])
