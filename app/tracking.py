@@ -241,6 +241,11 @@ class Tracker:
         if self.enabled:
             self.client.log_text(self.run_id, text, artifact_file)
 
+    def set_tag(self, key: str, value: str) -> None:
+        """Set one tag on the run (MLflow caps a tag value at 8000 characters)."""
+        if self.enabled:
+            self.client.set_tag(self.run_id, key, value[:8000])
+
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return

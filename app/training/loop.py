@@ -53,6 +53,7 @@ from app.training.records import (
 from app.training.resume import resume_run
 from app.training.sampler import PromptSampler
 from app.training.setup import Parts, setup
+from app.training.signals import DriftWatch
 from trainer.advantages import group_advantages, informative_groups
 from trainer.step import TrainBatch, train_step
 
@@ -124,7 +125,7 @@ async def train(p: Parts, t_start: float) -> dict:
             disable=not p.dist.is_main,
             dynamic_ncols=True,
         )
-        meter = Utilisation(p.fleet)
+        meter, drift = Utilisation(p.fleet), DriftWatch()
         last = start
         for step in bar:
             metrics = await train_one_step(p, buffer, step, per_rank)
@@ -134,6 +135,11 @@ async def train(p: Parts, t_start: float) -> dict:
             metrics.update(meter.read(metrics["timing/train"], metrics["rollout/samples"]))
             if r.skip_decided:
                 metrics["rollout/skipped_prompts"] = float(p.reducer.sum_(torch.tensor([float(sampler.skipped)])).item())
+            for name, message in drift.observe(step, metrics):  # what ESS cannot see (app/training/signals.py)
+                metrics[f"signals/{name}"] = 1.0
+                if p.dist.is_main:
+                    log.warning("%s", message)
+                p.tracker.set_tag(f"trustbatch.signal.{name}", message)
             history.add(step, metrics)
             last = step
             out_of_time = history.out_of_time()

@@ -115,6 +115,7 @@ def step_metrics(
         "rollout/truncated_frac": truncated / n,
         "rollout/trained_frac": trained / n,
         "advantage/zero_variance_groups": zero_var,
+        "advantage/zero_variance_frac": zero_var / num_groups,
         "rollout/policy_lag/mean": lag / num_groups,
         "rollout/policy_lag/max": lag_max,
         "rollout/max_lag": issued_under,
