@@ -168,9 +168,14 @@ def main() -> int:
         print("base: " + ", ".join(f"{'greedy' if b['settings']['temperature'] == 0 else 'sampled'} "
                                    f"{pct(b['metrics']['pass@1']['value'])} on {b['num_prompts']} problems, boxed "
                                    f"{pct(b['answer_rate'])}, {b['completion_tokens_mean']:.1f} tokens" for b in base))  # fmt: skip
-    table.append(("SFT", sft.get("greedy_accuracy"), sft.get("sampled_accuracy")))
+    if sft.get("sampled_accuracy") is not None:
+        table.append(("SFT", sft.get("greedy_accuracy"), sft.get("sampled_accuracy")))
+    else:  # sft.verify=false: the SFT model's numbers are the first RL run's step-0 evaluation
+        held = next((r["held_out"] for r in rl if "held_out" in r), None)
+        if held:
+            table.append(("SFT (RL step 0)", held.get("greedy", {}).get("start"), held["sampled"]["start"]))
     for r in rl:
-        print(f"RL lr {r['lr']:g}: {r['steps']} steps, {r['samples']} samples, {r['train_min']:.1f} min, "
+        print(f"RL {Path(r['run_dir']).name}, lr {r['lr']:g}: {r['steps']} steps, {r['samples']} samples, {r['train_min']:.1f} min, "
               f"{r['samples_per_s']:.2f} samples/s, trainer {r['trainer_tokens_per_s']:.0f} tokens/s, rollout busy "
               f"{pct(r['rollout_utilisation'])}, train busy {pct(r['train_utilisation'])}; {r['completion_tokens']:.1f} "
               f"tokens, truncated {pct(r['truncated'])}; training accuracy {pct(r['train_accuracy_first'])} -> "
@@ -184,10 +189,11 @@ def main() -> int:
                     h = held[name]
                     print(f"  held-out {name} ({h['prompts']}): {pct(h['start'])} -> {pct(h['end'])}, gain "
                           f"{100 * h['gain']:+.2f} ± {100 * h['gain_se']:.2f} ({h['gain_in_se'] or 0:.1f} SE)")  # fmt: skip
-            table.append((f"RL lr {r['lr']:g}", held.get("greedy", {}).get("end"), held["sampled"]["end"]))
+            table.append((f"RL\n{Path(r['run_dir']).name.removeprefix('smollm2-math-')}", held.get("greedy", {}).get("end"), held["sampled"]["end"]))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"sft": sft, "rl": rl, "base": base}, indent=2, default=str) + "\n")
-    plot(args.plot, sft_curves(sft), {f"lr {r['lr']:g}": rows_of(Path(r["run_dir"])) for r in rl}, table)
+    plot(args.plot, sft_curves(sft), {f"{Path(r['run_dir']).name}, lr {r['lr']:g}": rows_of(Path(r["run_dir"])) for r in rl},
+         table)  # fmt: skip
     print(f"wrote {args.out} and {args.plot}")
     return 0
 
