@@ -202,8 +202,10 @@ def rollout_server(
     """Serve a model on CPU behind SGLang's native HTTP API (/generate, /update_weights_from_disk, ...)."""
     if max_body_bytes < 1:
         _fail(f"--max-body-bytes {max_body_bytes} must be >= 1")
-    if dtype not in ("float32", "bfloat16"):
-        _fail(f"--dtype {dtype!r}: choose float32 or bfloat16")
+    from app.engines import ENGINE_DTYPES
+
+    if dtype not in ENGINE_DTYPES:
+        _fail(f"--dtype {dtype!r}: choose {' or '.join(ENGINE_DTYPES)}")
     _setup_logging()
     from app.serving.server import rollout_server as run_server
 

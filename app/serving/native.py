@@ -425,6 +425,7 @@ async def server_info(request: Request) -> dict:
     state = _state(request)
     scheduler = state.scheduler
     stats = scheduler.stats if scheduler is not None else Stats()
+    param = next(state.model.engine.model.parameters())
     return {
         "model_path": state.model_path,
         "served_model_name": state.served_model_name,
@@ -432,8 +433,8 @@ async def server_info(request: Request) -> dict:
         "batch_window_ms": state.batch_window_ms,
         "max_body_bytes": state.max_body_bytes,
         "skip_tokenizer_init": state.model.tokenizer is None,
-        "device": str(next(state.model.engine.model.parameters()).device),
-        "dtype": str(next(state.model.engine.model.parameters()).dtype).removeprefix("torch."),
+        "device": str(param.device),
+        "dtype": str(param.dtype).removeprefix("torch."),
         "startup_time": state.startup_time,
         "version": SERVER_VERSION,
         "frontend": "python",

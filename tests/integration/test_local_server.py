@@ -17,17 +17,15 @@ import time
 
 import httpx
 import pytest
-import torch
 import uvicorn
 
 from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
 from app.serving.native import create_app
-from trainer.model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer, save_model
+from trainer.model import build_tiny_tokenizer
 
 from .conftest import REPO
 
-TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 PROMPTS = [[72, 101, 108, 108, 111], [50, 43, 50, 61]]  # different lengths, so prompt_tokens tells them apart
 
 
@@ -56,21 +54,6 @@ class ThreadServer:
         self.client.close()
         self.server.should_exit = True
         self.thread.join(timeout=10)
-
-
-@pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory):
-    """Two tiny models of one architecture with different weights: (dir_a, dir_b)."""
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(TINY, tokenizer)
-    root = tmp_path_factory.mktemp("local_server")
-    save_model(model, tokenizer, root / "a")
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn(param.shape, generator=generator) * 0.5)
-    save_model(model, tokenizer, root / "b")
-    return root / "a", root / "b"
 
 
 def _start(model_dir, **kwargs) -> ThreadServer:

@@ -19,15 +19,12 @@ from tests.integration.dist_worker import build_batch, build_model
 from tests.integration.test_loop import small_config
 from trainer.distributed import LocalReducer
 from trainer.logprobs import shared_prefix_token_logprobs, token_logprobs
-from trainer.model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer, save_model
 from trainer.objective import ObjectiveConfig
 from trainer.precision import compute
 from trainer.sft import Example, held_out_loss, plan_sft_step, sft_step
 from trainer.step import TrainerConfig, train_step
 
 from .conftest import REPO
-
-TINY = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
 def _sgd_step(cfg: TrainerConfig, shared: int = 0):
@@ -107,21 +104,8 @@ def test_a_bad_dtype_is_refused_with_its_key(tmp_path, key):
         load_config(path, [f"{key}=float16"])
 
 
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    tokenizer = build_tiny_tokenizer()
-    model = build_tiny_model(TINY, tokenizer)
-    root = tmp_path_factory.mktemp("precision")
-    save_model(model, tokenizer, root / "a")
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.1)
-    save_model(model, tokenizer, root / "b")
-    return root / "a", root / "b"
-
-
-def test_embedded_engine_in_bf16_casts_each_publish(tiny_dirs):
-    engine = EmbeddedEngine.from_pretrained(tiny_dirs[0], dtype=torch.bfloat16)
+def test_embedded_engine_in_bf16_casts_each_publish(model_dirs):
+    engine = EmbeddedEngine.from_pretrained(model_dirs[0], dtype=torch.bfloat16)
     assert {p.dtype for p in engine.model.parameters()} == {torch.bfloat16}
     params = SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=3)
     outs = engine.generate_sync([[5, 6, 7]], params)
@@ -129,7 +113,7 @@ def test_embedded_engine_in_bf16_casts_each_publish(tiny_dirs):
     reference = build_model(0)  # any float32 state of another shape must still be refused
     with pytest.raises(ValueError):
         engine.update_weights_sync(WeightSource(state_dict=reference.state_dict()), version=1)
-    fp32 = EmbeddedEngine.from_pretrained(tiny_dirs[1])
+    fp32 = EmbeddedEngine.from_pretrained(model_dirs[1])
     state = {k: v.clone() for k, v in fp32.model.state_dict().items()}
     engine.update_weights_sync(WeightSource(state_dict=state), version=2)
     assert engine.policy_version == 2
@@ -138,9 +122,9 @@ def test_embedded_engine_in_bf16_casts_each_publish(tiny_dirs):
         torch.testing.assert_close(param, state[name].to(torch.bfloat16), rtol=0, atol=0)
 
 
-def test_rollout_server_runs_in_bf16_and_keeps_it_across_updates(tiny_dirs, tmp_path):
+def test_rollout_server_runs_in_bf16_and_keeps_it_across_updates(model_dirs, tmp_path):
     server = LocalServerProcess(
-        tiny_dirs[0], max_batch_size=8, log_path=tmp_path / "server.log", dtype="bfloat16"
+        model_dirs[0], max_batch_size=8, log_path=tmp_path / "server.log", dtype="bfloat16"
     )
     server.start()
     try:
@@ -151,7 +135,7 @@ def test_rollout_server_runs_in_bf16_and_keeps_it_across_updates(tiny_dirs, tmp_
             "completion_tokens"
         ]
         update = httpx.post(f"{server.url}/update_weights_from_disk", timeout=60,
-                            json={"model_path": str(tiny_dirs[1]), "weight_version": "1"})  # fmt: skip
+                            json={"model_path": str(model_dirs[1]), "weight_version": "1"})  # fmt: skip
         assert update.status_code == 200, update.text
         info = httpx.get(f"{server.url}/server_info").json()
         assert info["dtype"] == "bfloat16"
@@ -161,9 +145,9 @@ def test_rollout_server_runs_in_bf16_and_keeps_it_across_updates(tiny_dirs, tmp_
         server.stop()
 
 
-def test_rollout_server_refuses_an_unknown_dtype(tiny_dirs):
+def test_rollout_server_refuses_an_unknown_dtype(model_dirs):
     proc = subprocess.run(
-        [sys.executable, "-m", "app.cli", "rollout-server", "--model", str(tiny_dirs[0]), "--dtype", "float16"],
+        [sys.executable, "-m", "app.cli", "rollout-server", "--model", str(model_dirs[0]), "--dtype", "float16"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0 and "--dtype 'float16'" in proc.stdout + proc.stderr
