@@ -22,6 +22,7 @@ from app.data import DataConfig
 from app.engines import ENGINE_DTYPES
 from app.evaluation.config import EvalConfig
 from app.rollout.fleet import SupervisionConfig
+from app.rollout.probe import PublishCheckConfig
 from app.rollout.sglang import SGLangClientConfig
 from app.sampling import bounded_int, temperature, top_p
 from app.tracking import TrackingConfig, check_name, default_tracking_uri, store_problem, writable_dir_problem
@@ -141,6 +142,9 @@ class RolloutConfig:
     """The HTTP client of the local and sglang engines (URLs, time limits, retries, concurrency)."""
     supervision: SupervisionConfig = field(default_factory=SupervisionConfig)
     """Watchdog and restarts of the rollout servers the run starts (rollout.engine=local)."""
+    publish_check: PublishCheckConfig = field(default_factory=PublishCheckConfig)
+    """After every published version, each engine scores a fixed probe text and must agree with the trainer
+    (app/rollout/probe.py): an engine whose label moved but whose weights did not stops the run."""
     prompts_per_step: int = 32
     """Prompts sampled per optimizer step (split across data-parallel ranks)."""
     group_size: int = 8

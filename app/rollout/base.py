@@ -18,7 +18,7 @@ import torch
 
 from app.sampling import MIN_TEMPERATURE, check_sampling
 
-__all__ = ["MIN_TEMPERATURE", "Completion", "RolloutEngine", "SamplingParams", "WeightSource"]
+__all__ = ["MIN_TEMPERATURE", "Completion", "ProbeReading", "RolloutEngine", "SamplingParams", "WeightSource"]
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,16 @@ class WeightSource:
             raise ValueError("WeightSource needs exactly one of state_dict or path")
 
 
+@dataclass(frozen=True)
+class ProbeReading:
+    """What one engine (one server of a client) computed for a fixed token sequence: the log-probability of
+    each token after the first (SGLang's ``input_token_logprobs``), and the weight version it says it serves."""
+
+    server: str
+    weight_version: str | None
+    logprobs: list[float]
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     async def generate(
@@ -79,3 +89,7 @@ class RolloutEngine(Protocol):
     async def update_weights(self, source: WeightSource, version: int) -> None: ...
 
     async def health(self) -> bool: ...
+
+    async def score(self, ids: list[int]) -> list[ProbeReading]:
+        """The log-probabilities of ``ids[1:]`` given their prefix at temperature 1, from every server."""
+        ...

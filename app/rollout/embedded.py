@@ -38,6 +38,11 @@ else ``None``). The callback returns the sequences to end now (they finish with 
 just sampled), or ``None``. The HTTP server uses it to stream tokens as they are sampled, to end a sequence at a
 stop *string*, and to drop the sequences of a client that went away. Without a callback none of this runs.
 
+Scoring: ``score_sync(ids)`` (``score`` from the event loop) gives the log-probability of each token of ``ids``
+after the first, ``log_softmax(logits)[token]`` in float32 at T = 1, from one forward over the whole sequence:
+SGLang's ``input_token_logprobs``. The weight-publication check (app/rollout/probe.py) compares them with the
+trainer's on a fixed text after every published version.
+
 Concurrency: one lock serialises generation and weight updates (as SGLang's reader/writer lock does for one
 request stream): an update waits for the running generate call, and a generate never sees half-loaded weights.
 The async methods run the work in a worker thread so the event loop stays free.
@@ -56,7 +61,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from app.rollout.base import Completion, SamplingParams, WeightSource
+from app.rollout.base import Completion, ProbeReading, SamplingParams, WeightSource
 
 StepCallback = Callable[[list[int], list[int], list[float], list["str | None"]], "Iterable[int] | None"]
 """``on_step(seqs, tokens, logprobs, finished) -> sequences to end now``; see "Streaming and early stops"."""
@@ -145,6 +150,11 @@ class EmbeddedEngine:
     async def health(self) -> bool:
         return True
 
+    async def score(self, ids: list[int]) -> list[ProbeReading]:
+        """``score_sync`` in a worker thread, as the one reading of this engine."""
+        logprobs, version = await asyncio.to_thread(self.score_sync, ids)
+        return [ProbeReading("the embedded engine", str(version), logprobs)]
+
     # ---- synchronous core -------------------------------------------------------------------------------
 
     def generate_sync(
@@ -201,6 +211,24 @@ class EmbeddedEngine:
             self._check_state_dict(state, origin)
             self.model.load_state_dict(state, strict=False)
             self.policy_version = int(version)
+
+    def score_sync(self, ids: list[int]) -> tuple[list[float], int]:
+        """(log pi(ids[t] | ids[:t]) for t = 1 .. len(ids) - 1 in float32 at temperature 1, the policy version that
+        computed them); ``ids`` needs at least two tokens. The same weights give both: the lock holds updates
+        back."""
+        ids = self._check_prompt(0, ids)
+        if len(ids) < 2:
+            raise ValueError("scoring needs at least two tokens (the first one has no log-probability)")
+        with self._lock, torch.inference_mode():
+            tokens = torch.tensor([ids], device=self._device)
+            logits = self.model(
+                input_ids=tokens,
+                attention_mask=torch.ones_like(tokens),
+                position_ids=torch.arange(len(ids), device=self._device)[None],
+                use_cache=False,
+            ).logits[0, :-1].float()
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
+            return logprobs.tolist(), self.policy_version
 
     # ---- internals ----------------------------------------------------------------------------------------
 

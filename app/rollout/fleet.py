@@ -62,6 +62,7 @@ import torch
 
 from app.rollout import joint
 from app.rollout.base import Completion, RolloutEngine, SamplingParams, WeightSource
+from app.rollout.probe import PublishCheck
 from app.rollout.process import ServerProcess
 from app.rollout.sglang import RolloutServerError, SGLangClient, WeightSyncConfig
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncError
@@ -151,6 +152,7 @@ class Fleet:
         tokenizer: saved with each version on disk (the servers load a complete HF directory).
         is_main: this rank writes the files (rank 0).
         wait_for_push: ``publish`` returns only once every engine holds the version (``rollout.max_lag=0``).
+        check: the probe that verifies every published version on every engine (app/rollout/probe.py); None: off.
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class Fleet:
         tokenizer: object = None,
         is_main: bool = True,
         wait_for_push: bool = False,
+        check: PublishCheck | None = None,
     ) -> None:
         self.engine, self.servers, self.cfg = engine, list(servers), cfg
         self.health_timeout_s = health_timeout_s
@@ -172,6 +175,9 @@ class Fleet:
         """Set: in-memory weights are broadcast to the SGLang servers over a process group (NCCL/gloo)."""
         self.weights_dir, self.tokenizer, self.is_main = weights_dir, tokenizer, is_main
         self.wait_for_push = wait_for_push
+        self.check = check
+        self.check_retries = 0
+        """Versions that failed the check once and were published again."""
         self._sync: DistributedWeightSync | None = None
         self._sync_restarts = 0
         self.restarts = 0
@@ -195,9 +201,11 @@ class Fleet:
 
     # ------------------------------------------------------------------ what the loop calls
 
-    async def connect(self, hooks: PublishHooks) -> None:
-        """Wait for the servers, hand a resumed run's weights to servers it did not start, start the watchdog;
-        ``hooks`` serve every later ``publish``."""
+    async def connect(self, hooks: PublishHooks, model: torch.nn.Module | None = None, version: int = 0) -> None:
+        """Wait for the servers, hand a resumed run's weights to servers it did not start, check that every
+        engine serves ``model``'s weights (``version``; the check's start, which sets its tolerance), start the
+        watchdog; ``hooks`` serve every later ``publish``. Every rank calls it (the check's forward is a
+        collective under FSDP2)."""
         self._hooks = hooks
         if self.http:
             assert isinstance(self.engine, SGLangClient)
@@ -205,6 +213,10 @@ class Fleet:
         if self.latest is not None and not self.servers:
             path, version = self.latest
             await self._load(WeightSource(path=path), version)
+        if self.check is not None and model is not None:
+            reference = await asyncio.to_thread(self.check.reference, model)
+            readings = await self._survive(lambda: self.engine.score(self.check.ids), "the weight check")
+            self.check.start(readings, reference, version)
         self.start_watchdog()
 
     async def generate(
@@ -228,8 +240,12 @@ class Fleet:
         else:  # the embedded engine, or a broadcast over NCCL/gloo
             dtype = self.weight_sync.dtype if self.weight_sync is not None else None
             source = WeightSource(state_dict=await asyncio.to_thread(joint.gather_weights, model, dtype=dtype))
+        # What the engines must score the probe as: taken now, before the next optimizer step changes the model.
+        reference = await asyncio.to_thread(self.check.reference, model) if self.check is not None else None
         previous = self._push
-        self._push = asyncio.create_task(self._push_after(previous, source, version), name=f"publish-{version}")
+        self._push = asyncio.create_task(
+            self._push_after(previous, source, version, reference), name=f"publish-{version}"
+        )
         if self.wait_for_push:
             await self.flush()
 
@@ -245,7 +261,9 @@ class Fleet:
 
     # ------------------------------------------------------------------ pushing a version
 
-    async def _push_after(self, previous: asyncio.Task | None, source: WeightSource, version: int) -> None:
+    async def _push_after(
+        self, previous: asyncio.Task | None, source: WeightSource, version: int, reference: list[float] | None
+    ) -> None:
         assert self._hooks is not None
         if previous is not None:
             await previous
@@ -259,10 +277,32 @@ class Fleet:
             raise
         self.last_sync_s = time.perf_counter() - t0
         await self._hooks.held(version)
+        if reference is not None:
+            try:
+                await self._verify(source, version, reference)
+            except Exception as exc:
+                await self._hooks.failed(exc)
+                raise
         if source.path is not None and self.is_main and self.weights_dir is not None:
             for old in self.weights_dir.glob("v*"):
                 if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_VERSIONS:
                     shutil.rmtree(old, ignore_errors=True)
+
+    async def _verify(self, source: WeightSource, version: int, reference: list[float]) -> None:
+        """The publish check (app/rollout/probe.py): every engine scores the probe as the trainer's ``version``
+        does; a version that fails is loaded once more and checked again, then PublishCheckError."""
+        assert self.check is not None
+        for attempt in range(2):
+            readings = await self._survive(lambda: self.engine.score(self.check.ids), "the weight check")
+            problems = self.check.failures(readings, reference, version)
+            if not problems:
+                return
+            if attempt == 1:
+                raise self.check.error(problems, version)
+            log.warning("weight check of version %d failed (%s); publishing it again", version, "; ".join(problems))
+            self.check_retries += 1
+            await self._load(source, version)
+        raise AssertionError("unreachable")
 
     async def _load(self, source: WeightSource, version: int) -> None:
         """Load ``source`` as ``version`` on every engine; a restarted server starts from it (disk only: under

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ from typing import Any, Literal
 import httpx
 import torch
 
-from app.rollout.base import Completion, SamplingParams, WeightSource
+from app.rollout.base import Completion, ProbeReading, SamplingParams, WeightSource
 from app.rollout.sglang_server import SGLangLaunchConfig
 
 log = logging.getLogger(__name__)
@@ -371,6 +372,43 @@ class SGLangClient:
                 )
             )
         return completions
+
+    async def score(self, ids: list[int]) -> list[ProbeReading]:
+        """The input-token logprobs of ``ids`` (``logprob_start_len: 0``, one greedy token) from every server,
+        each read from that server alone, with the weight version it answered under."""
+        if len(ids) < 2:
+            raise ValueError("scoring needs at least two tokens (the first one has no log-probability)")
+        body = {
+            "input_ids": list(ids),
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        }
+        return list(await asyncio.gather(*(self._score_one(url, body) for url in self.urls)))
+
+    async def _score_one(self, url: str, body: dict) -> ProbeReading:
+        what = f"/generate of the {len(body['input_ids'])}-token probe text (logprob_start_len 0)"
+        _, answer = await self._call("POST", "/generate", body, what=what, servers=[url])
+        item = answer[0] if isinstance(answer, list) and answer else answer
+        meta = item.get("meta_info") if isinstance(item, dict) else None
+        triples = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+        ids = body["input_ids"]
+        if not isinstance(triples, list) or len(triples) != len(ids):
+            raise RolloutResponseError(
+                f"{url}: answer to {what} has no meta_info.input_token_logprobs with {len(ids)} entries "
+                f"(got {type(triples).__name__}{f' of {len(triples)}' if isinstance(triples, list) else ''}); "
+                "the server must honour logprob_start_len"
+            )
+        logprobs = []
+        for t, (triple, token) in enumerate(zip(triples[1:], ids[1:], strict=True), start=1):
+            if not (isinstance(triple, list) and len(triple) >= 2 and triple[1] == token):
+                raise RolloutResponseError(f"{url}: input_token_logprobs[{t}] = {triple!r} is not for token {token}")
+            value = triple[0]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise RolloutResponseError(f"{url}: input_token_logprobs[{t}] = {triple!r} has no finite logprob")
+            logprobs.append(float(value))
+        label = meta.get("weight_version")
+        return ProbeReading(url, None if label is None else str(label), logprobs)
 
     def _version_of(self, label: Any) -> int:
         """SGLang weight_version label -> policy version (module docstring: numeric, else first-seen)."""

@@ -8,10 +8,12 @@ through the batching scheduler (app/serving/scheduler.py).
 
 Endpoints:
 - ``POST|PUT /generate``: ``input_ids`` ([int] or [[int]]) or ``text`` (str or [str], needs a tokenizer),
-  ``sampling_params`` (dict or one dict per prompt), ``return_logprob`` (bool or [bool]), ``rid``. Unknown
+  ``sampling_params`` (dict or one dict per prompt), ``return_logprob`` (bool or [bool]), ``rid``,
+  ``logprob_start_len`` (with ``return_logprob``, ``>= 0`` adds ``meta_info.input_token_logprobs``, one
+  ``[logprob, id, null]`` per prompt token from that position on, ``null`` for the first token). Unknown
   top-level keys are ignored and unknown ``sampling_params`` keys answer 400 ``{"error": "unknown field ..."}``,
   as in SGLang. Fields SGLang accepts but this server cannot honour (``regex``, ``json_schema``, penalties, a
-  finite ``top_k``, ``stop`` strings, ``ignore_eos``, ``stream``, ``logprob_start_len >= 0``,
+  finite ``top_k``, ``stop`` strings, ``ignore_eos``, ``stream``,
   ``top_logprobs_num > 0``...) answer 400 naming the field, rather than being silently ignored. One prompt with
   n = 1 answers one dict; a batch or n > 1 answers a flat prompt-major list ``[p0s0, p0s1, p1s0, ...]``.
 - ``GET /health``, ``GET /health_generate`` (a one-token generation, straight on the engine), ``GET /ready``.
@@ -133,6 +135,8 @@ class _Prompt:
     return_logprob: bool
     seeded: bool
     rid: str | None
+    logprob_start_len: int = -1
+    """With ``return_logprob``: input-token logprobs from this prompt position on (-1: none, SGLang's default)."""
 
 
 def parse_sampling_params(
@@ -231,13 +235,16 @@ def parse_generate(body: Any, model: ServedModel) -> tuple[list[_Prompt], bool]:
     logprob_flags = _per_prompt(body.get("return_logprob", False), count, "return_logprob")
     for flag in logprob_flags:
         _expect(isinstance(flag, bool) or flag is None, "return_logprob", flag, "bool or [bool]")
-    for key, neutral in (("logprob_start_len", -1), ("top_logprobs_num", 0)):
-        for value in _per_prompt(body.get(key), count, key):
-            _expect(value is None or is_int(value), key, value, "int or [int]")
-            if value is not None and value != neutral and not (key == "logprob_start_len" and value < 0):
-                raise RequestError(
-                    f"{key} = {describe(value)} is not supported by the built-in CPU server (output logprobs only)"
-                )
+    starts = _per_prompt(body.get("logprob_start_len"), count, "logprob_start_len")
+    for value in starts:
+        _expect(value is None or is_int(value), "logprob_start_len", value, "int or [int]")
+    for value in _per_prompt(body.get("top_logprobs_num"), count, "top_logprobs_num"):
+        _expect(value is None or is_int(value), "top_logprobs_num", value, "int or [int]")
+        if value not in (None, 0):
+            raise RequestError(
+                f"top_logprobs_num = {describe(value)} is not supported by the built-in CPU server (sampled tokens' "
+                "logprobs only)"
+            )
     if not empty(body.get("token_ids_logprob")):
         raise RequestError("token_ids_logprob is not supported by the built-in CPU server")
     rids = _per_prompt(body.get("rid"), count, "rid")
@@ -264,10 +271,20 @@ def parse_generate(body: Any, model: ServedModel) -> tuple[list[_Prompt], bool]:
             model.encode(t, where, "text", special_tokens=True) for t, where in zip(raw, wheres, strict=True)
         ]
     prompts = [model.check_ids(ids, where, "input_ids") for ids, where in zip(raw, wheres, strict=True)]
+    for ids, start, where in zip(prompts, starts, wheres, strict=True):
+        if start is not None and start >= len(ids):
+            raise RequestError(
+                f"logprob_start_len = {start} is not below the length of {where} ({len(ids)} tokens); give -1 "
+                "(output logprobs only) or a position inside the prompt"
+            )
+    starts = [
+        start if flag and start is not None and start >= 0 else -1
+        for start, flag in zip(starts, logprob_flags, strict=True)
+    ]
     return [
-        _Prompt(ids, params, options, bool(flag), seeded, rid)
-        for ids, (params, options, seeded), flag, rid in zip(
-            prompts, sampling, logprob_flags, rids, strict=True
+        _Prompt(ids, params, options, bool(flag), seeded, rid, start)
+        for ids, (params, options, seeded), flag, rid, start in zip(
+            prompts, sampling, logprob_flags, rids, starts, strict=True
         )
     ], single
 
@@ -316,7 +333,12 @@ def _decode(state: NativeState, ids: list[int], options: _TextOptions) -> str:
 
 
 def _output(
-    state: NativeState, prompt: _Prompt, completion: Completion | None, rid: str, start: float
+    state: NativeState,
+    prompt: _Prompt,
+    completion: Completion | None,
+    rid: str,
+    start: float,
+    input_logprobs: list[float] | None = None,
 ) -> dict:
     if completion is None:  # aborted before it ran
         ids: list[int] = []
@@ -348,6 +370,10 @@ def _output(
     if prompt.return_logprob:
         meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)]
         meta["output_token_logprobs_length"] = len(ids)
+    if input_logprobs is not None:  # SGLang: one [logprob, id, text] per prompt token from logprob_start_len on;
+        scored = [None, *input_logprobs]  # the first token of the prompt has none
+        first = prompt.logprob_start_len
+        meta["input_token_logprobs"] = [[scored[t], prompt.input_ids[t], None] for t in range(first, len(scored))]
     return {"text": _decode(state, ids, prompt.text_options), "output_ids": list(ids), "meta_info": meta}
 
 
@@ -361,6 +387,12 @@ async def generate(request: Request) -> JSONResponse:
     key = uuid.uuid4().hex  # a seeded request runs alone, so it reproduces generate_sync(its prompts, params)
     async with state.lock.read():
         state.scheduler.stats.requests += 1
+        # Input-token logprobs (logprob_start_len >= 0): one forward of each such prompt, on the weights that
+        # also sample it (the read lock holds weight updates back until the request is answered).
+        scored = [
+            await asyncio.to_thread(state.model.engine.score_sync, p.input_ids) if p.logprob_start_len >= 0 else None
+            for p in prompts
+        ]
         futures = [
             state.scheduler.enqueue(p.input_ids, p.params, request_key=key if p.seeded else None, rid=p.rid)
             for p in prompts
@@ -370,11 +402,12 @@ async def generate(request: Request) -> JSONResponse:
         except Exception as exc:  # noqa: BLE001
             raise RequestError(f"generation failed: {type(exc).__name__}: {exc}", status=500) from None
     items = []
-    for prompt, completions in zip(prompts, results, strict=True):
+    for prompt, completions, score in zip(prompts, results, scored, strict=True):
         n, rid = prompt.params.n, prompt.rid
+        inputs = None if score is None else score[0]
         for k, completion in enumerate(completions if completions is not None else [None] * n):
             item_rid = uuid.uuid4().hex if rid is None else (f"{rid}_{k}" if n > 1 else rid)
-            items.append(_output(state, prompt, completion, item_rid, start))
+            items.append(_output(state, prompt, completion, item_rid, start, inputs))
     if single and prompts[0].params.n == 1:  # SGLang: a list for a batch or for n > 1
         return JSONResponse(items[0])
     for index, item in enumerate(items):

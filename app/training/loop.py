@@ -103,7 +103,7 @@ async def train(p: Parts, t_start: float) -> dict:
 
     producer: asyncio.Task | None = None
     try:
-        await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer))
+        await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer), p.policy.model, version=start)
         sampler = PromptSampler(
             len(p.train.rows), cfg.run.seed, cursor=start * r.prompts_per_step, skip_decided=r.skip_decided
         )
@@ -286,6 +286,10 @@ async def train_one_step(
         "timing/weight_save": t3 - t2,
         "timing/weight_sync": p.fleet.last_sync_s,
     }
+    if p.fleet.check is not None and p.fleet.check.last_gap is not None:
+        # The latest verified version's largest engine-trainer gap on the probe text (app/rollout/probe.py).
+        metrics["weights/probe_gap"] = p.fleet.check.last_gap
+        metrics["weights/check_retries"] = float(p.fleet.check_retries)
     return metrics
 
 

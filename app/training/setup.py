@@ -26,6 +26,7 @@ from app.engines import EngineOptions, open_engine
 from app.evaluation.held_out import HeldOut
 from app.rollout.base import SamplingParams
 from app.rollout.fleet import Fleet
+from app.rollout.probe import PublishCheck, probe_ids
 from app.scoring import rewards_with_sandbox
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
@@ -260,6 +261,7 @@ def start_fleet(
         tokenizer=tokenizer,
         is_main=dist.is_main,
         wait_for_push=r.max_lag == 0,
+        check=PublishCheck(r.publish_check, probe_ids(tokenizer)) if r.publish_check.enabled else None,
     )
     if resume.checkpoint is not None and opened.kind == "sglang":
         fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect

@@ -271,3 +271,32 @@ def test_completing_an_unflushed_update_while_a_request_runs(server, models):
     assert last["meta_info"]["finish_reason"]["type"] == "length" and len(last["output_ids"]) == LONG
     assert info["weight_version"] == "21"
     assert {c.policy_version for c in after} == {21}
+
+
+def test_the_publish_check_reads_the_real_servers_input_logprobs_and_catches_stale_weights(server, models):
+    """The probe of app/rollout/probe.py on real SGLang: ``input_token_logprobs`` (logprob_start_len 0) equal the
+    trainer's float32 logprobs of the weights served, under the label served; a server that holds v0 while the
+    trainer published v1 is flagged, and one that holds v1 is not."""
+    from transformers import AutoTokenizer
+
+    from app.rollout.probe import PublishCheck, PublishCheckConfig, probe_ids, reference_logprobs
+
+    ids = probe_ids(AutoTokenizer.from_pretrained(models.v0))
+    reference = {name: reference_logprobs(load_model(path), ids) for name, path in (("v0", models.v0), ("v1", models.v1))}
+
+    async def go(client):
+        start = await client.score(ids)
+        await client.update_weights(WeightSource(path=models.v1), 1)
+        return start, await client.score(ids)
+
+    start, after = run_with_client(server.url, go)
+    check = PublishCheck(PublishCheckConfig(), ids)
+    check.start(start, reference["v0"], 0)
+    assert check.start_gap < 1e-4  # float32 server against the float32 trainer
+    assert check.failures(after, reference["v1"], 1) == []
+    assert [r.weight_version for r in after] == ["1"]
+    stale = check.failures(start, reference["v1"], 1)  # v0's reading, labelled 0, against v1's reference
+    assert len(stale) == 1 and server.url in stale[0]
+    relabelled = [type(r)(r.server, "1", r.logprobs) for r in start]  # the label moved, the weights did not
+    [problem] = check.failures(relabelled, reference["v1"], 1)
+    assert "nats away" in problem

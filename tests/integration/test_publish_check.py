@@ -1,0 +1,218 @@
+"""Verified weight publication (app/rollout/probe.py) against the built-in server over real HTTP.
+
+Covered: the server's ``input_token_logprobs`` (``logprob_start_len``) equal the trainer's float32
+log-probabilities; a fleet publishing from disk passes the check version after version; a server left on other
+weights under the new label (the base model: an update that loaded the wrong directory, as an adapter that never
+loaded does) is caught, published once more, and stops the run naming the server and the version; a fault that
+the retry cures does not stop it; a server that serves another model than the run starts from is refused at the
+start; a bfloat16 engine's own gap sets the automatic tolerance.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from app.rollout.base import WeightSource
+from app.rollout.embedded import EmbeddedEngine
+from app.rollout.fleet import Fleet, PublishHooks, SupervisionConfig
+from app.rollout.probe import (
+    AUTO_FLOOR,
+    PublishCheck,
+    PublishCheckConfig,
+    PublishCheckError,
+    gap,
+    probe_ids,
+    reference_logprobs,
+)
+from app.rollout.sglang import SGLangClient, SGLangClientConfig
+
+from .test_local_server import _start
+
+
+@pytest.fixture
+def server_a(model_dirs):
+    """A fresh server on model a for each test (a test's publications change the weights it serves)."""
+    srv = _start(model_dirs[0], max_batch_size=64, batch_window_ms=5)
+    yield srv
+    srv.close()
+
+
+def load(path) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+
+def nudge(model: torch.nn.Module, seed: int, scale: float = 0.02) -> None:
+    """A stand-in for an optimizer step: every weight moves a little."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * scale)
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.held: list[int] = []
+        self.failed: list[BaseException] = []
+
+    def hooks(self) -> PublishHooks:
+        async def held(version: int) -> None:
+            self.held.append(version)
+
+        async def failed(exc: BaseException) -> None:
+            self.failed.append(exc)
+
+        return PublishHooks(held=held, failed=failed)
+
+
+class WrongDirectoryClient(SGLangClient):
+    """A real client whose weight updates load ``wrong`` under the new version label, the first ``times`` times
+    (the fault class of an adapter that never loaded, or a server restarted from an old directory)."""
+
+    def __init__(self, cfg: SGLangClientConfig, wrong, times: int) -> None:
+        super().__init__(cfg)
+        self.wrong, self.times = wrong, times
+
+    async def update_weights(self, source: WeightSource, version: int, **kwargs) -> None:
+        if self.times > 0:
+            self.times -= 1
+            source = WeightSource(path=self.wrong)
+        await super().update_weights(source, version, **kwargs)
+
+
+def http_fleet(client: SGLangClient, tmp_path, tokenizer) -> Fleet:
+    return Fleet(
+        client,
+        [],
+        SupervisionConfig(),
+        health_timeout_s=20.0,
+        weights_dir=tmp_path / "weights",
+        tokenizer=tokenizer,
+        check=PublishCheck(PublishCheckConfig(), probe_ids(tokenizer)),
+    )
+
+
+def test_input_token_logprobs_equal_the_trainers(server_a, model_dirs):
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+    ids = probe_ids(tokenizer)
+    reference = reference_logprobs(load(model_dirs[0]), ids)
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True}
+    meta = server_a.client.post("/generate", json={**body, "logprob_start_len": 0}).json()["meta_info"]
+    triples = meta["input_token_logprobs"]
+    assert len(triples) == len(ids) and triples[0] == [None, ids[0], None]
+    assert [t[1] for t in triples] == ids
+    assert max(abs(t[0] - r) for t, r in zip(triples[1:], reference, strict=True)) < 1e-4
+    assert len(meta["output_token_logprobs"]) == 1  # the sampled token's logprob is still there
+    later = server_a.client.post("/generate", json={**body, "logprob_start_len": 5}).json()["meta_info"]
+    assert [t[1] for t in later["input_token_logprobs"]] == ids[5:]
+    assert [t[0] for t in later["input_token_logprobs"]] == [t[0] for t in triples[5:]]
+    plain = server_a.client.post("/generate", json=body).json()["meta_info"]
+    assert "input_token_logprobs" not in plain
+    bad = server_a.client.post("/generate", json={**body, "logprob_start_len": len(ids)})
+    assert bad.status_code == 400 and "logprob_start_len" in bad.json()["error"]
+
+
+def test_a_fleet_publishing_from_disk_passes_the_check_every_version(server_a, model_dirs, tmp_path):
+    async def go():
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+        model, recorder = load(model_dirs[0]), Recorder()
+        async with SGLangClient(SGLangClientConfig(urls=[server_a.url])) as client:
+            fleet = http_fleet(client, tmp_path, tokenizer)
+            await fleet.connect(recorder.hooks(), model)
+            start = (fleet.check.start_gap, fleet.check.tolerance)
+            gaps = []
+            for version in (1, 2):
+                nudge(model, version)
+                await fleet.publish(model, version)
+                await fleet.flush()
+                gaps.append(fleet.check.last_gap)
+            await fleet.close()
+        return recorder, start, gaps, fleet.check_retries
+
+    recorder, (start_gap, tolerance), gaps, retries = asyncio.run(go())
+    assert start_gap < 1e-4 and tolerance == AUTO_FLOOR  # float32 on both sides
+    assert recorder.held == [1, 2] and not recorder.failed and retries == 0
+    assert all(g < 1e-4 for g in gaps)
+
+
+def test_a_server_left_on_the_base_weights_is_caught_and_stops_the_run(server_a, model_dirs, tmp_path):
+    async def go():
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+        model, recorder = load(model_dirs[0]), Recorder()
+        client = WrongDirectoryClient(SGLangClientConfig(urls=[server_a.url]), model_dirs[0], times=2)
+        async with client:
+            fleet = http_fleet(client, tmp_path, tokenizer)
+            await fleet.connect(recorder.hooks(), model)
+            nudge(model, 7)
+            await fleet.publish(model, 1)
+            with pytest.raises(PublishCheckError) as caught:
+                await fleet.flush()
+            await fleet.close()
+        return recorder, caught.value, fleet.check_retries
+
+    recorder, error, retries = asyncio.run(go())
+    message = str(error)
+    assert server_a.url in message and "version 1" in message and "tolerance" in message
+    assert retries == 1 and recorder.failed == [error]  # published twice, then the loop is told to stop
+
+
+def test_a_fault_the_second_publish_cures_does_not_stop_the_run(server_a, model_dirs, tmp_path):
+    async def go():
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+        model, recorder = load(model_dirs[0]), Recorder()
+        client = WrongDirectoryClient(SGLangClientConfig(urls=[server_a.url]), model_dirs[0], times=1)
+        async with client:
+            fleet = http_fleet(client, tmp_path, tokenizer)
+            await fleet.connect(recorder.hooks(), model)
+            nudge(model, 8)
+            await fleet.publish(model, 1)
+            await fleet.flush()
+            await fleet.close()
+        return recorder, fleet.check_retries, fleet.check.last_gap
+
+    recorder, retries, last_gap = asyncio.run(go())
+    assert retries == 1 and not recorder.failed and recorder.held == [1] and last_gap < 1e-4
+
+
+def test_a_server_of_another_model_is_refused_at_the_start(server_a, model_dirs, tmp_path):
+    async def go():
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[1])
+        async with SGLangClient(SGLangClientConfig(urls=[server_a.url])) as client:
+            fleet = http_fleet(client, tmp_path, tokenizer)
+            try:
+                await fleet.connect(Recorder().hooks(), load(model_dirs[1]))  # the trainer starts from b
+            finally:
+                await fleet.close()
+
+    with pytest.raises(PublishCheckError, match="does not serve the weights this run starts from"):
+        asyncio.run(go())
+
+
+def test_a_bfloat16_engine_sets_the_tolerance_from_its_own_gap(model_dirs):
+    async def go():
+        tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+        model, recorder = load(model_dirs[0]), Recorder()
+        engine = EmbeddedEngine.from_pretrained(model_dirs[0], dtype=torch.bfloat16)
+        check = PublishCheck(PublishCheckConfig(), probe_ids(tokenizer))
+        fleet = Fleet(engine, [], SupervisionConfig(), health_timeout_s=5.0, check=check)
+        await fleet.connect(recorder.hooks(), model)
+        nudge(model, 3)
+        await fleet.publish(model, 1)
+        await fleet.flush()
+        await fleet.close()
+        return recorder, check
+
+    recorder, check = asyncio.run(go())
+    assert check.start_gap > 1e-5  # bf16 rounding (float32 engines agree to ~1e-7)
+    assert check.tolerance == pytest.approx(max(AUTO_FLOOR, 2 * check.start_gap))
+    assert recorder.held == [1] and not recorder.failed and check.last_gap <= check.tolerance
+
+
+def test_gap_and_probe_ids():
+    assert gap([0.0, -1.0], [0.0, -1.5]) == pytest.approx(0.25)
+    assert gap([0.0], [0.0, 1.0]) == float("inf")
+    with pytest.raises(ValueError, match="positive"):
+        PublishCheckConfig(tolerance=0)
