@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from trainer.distributed import barrier, full_state_dict
+from trainer.lora import lora_of, merged_state_dict, save_adapter
 
 COMPLETE_MARKER = "COMPLETE"
 
@@ -75,6 +76,9 @@ def _publish(tmp: Path, path: Path) -> None:
 
 
 def _write_hf(model, tokenizer, state_dict: dict[str, torch.Tensor], out: Path) -> None:
+    lora = lora_of(model)
+    if lora is not None:  # a plain HF model: the adapters merged into the base weights (trainer/lora.py)
+        state_dict = merged_state_dict(state_dict, lora.scaling)
     if getattr(model.config, "tie_word_embeddings", False):
         # Tied output weights are the embedding itself; save_pretrained given a state dict would write both.
         state_dict.pop("lm_head.weight", None)
@@ -169,6 +173,9 @@ def save_checkpoint(
     rngs = _gather_rng_states(rank, world_size)
     if rank == 0:
         _write_hf(model, tokenizer, weights, tmp / "model")
+        lora = lora_of(model)
+        if lora is not None:  # the adapter alone too, as a PEFT directory
+            save_adapter(weights, lora, getattr(model.config, "_name_or_path", ""), tmp / "adapter")
         (tmp / "model" / COMPLETE_MARKER).write_text("ok\n")
         torch.save(rngs, tmp / "rng.pt")
         if config_yaml:

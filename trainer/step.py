@@ -57,6 +57,7 @@ from torch import Tensor
 
 from trainer.distributed import Reducer, full_value, is_sharded
 from trainer.logprobs import shared_prefix_token_logprobs, token_logprobs
+from trainer.lora import LoraConfig
 from trainer.objective import (
     LossPart,
     ObjectiveConfig,
@@ -198,6 +199,10 @@ class TrainerConfig:
     """float32, or bfloat16: forwards compute in bf16 over the float32 master weights (autocast on CPU, FSDP2's
     MixedPrecisionPolicy on GPUs); logits are cast to float32 before the log-softmax, so logprobs, ratios,
     the ESS and the loss stay float32 (trainer/precision.py; its cost measured in bench/README.md)."""
+
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (rank, alpha, target_modules; rank 0 = full fine-tuning): only the adapters train, and the
+    engines, checkpoints and `serve` get the merged weights (trainer/lora.py)."""
 
     grad_diagnostics_every: int = 0
     """Every this many steps, also log the pre-clip gradient norms of the policy term and of the behaviour-KL

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.distributed import full_state_dict
+from trainer.lora import lora_of, merged_state_dict
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 """SGLang's default group name; a name can be initialised once per server (re-use needs a destroy first)."""
@@ -103,6 +104,9 @@ def state_dict_for_sync(
     floating-point tensors; None keeps them as they are (SGLang copies into its own dtype either way).
     """
     state = full_state_dict(model, rank0_only=not every_rank)
+    lora = lora_of(model)
+    if lora is not None:  # engines serve the merged weights under the base model's names (trainer/lora.py)
+        state = merged_state_dict(state, lora.scaling)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     if dtype is not None:

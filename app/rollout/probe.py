@@ -39,7 +39,12 @@ from dataclasses import dataclass
 import torch
 
 from app.rollout.base import ProbeReading
-from trainer.logprobs import token_logprobs
+from app.rollout.joint import reference_logprobs
+
+__all__ = [
+    "AUTO_FLOOR", "MAX_START_GAP", "PROBE_TEXT", "PublishCheck", "PublishCheckConfig", "PublishCheckError", "gap",
+    "probe_ids", "reference_logprobs",
+]  # fmt: skip
 
 log = logging.getLogger("trustbatch")
 
@@ -87,21 +92,6 @@ def probe_ids(tokenizer) -> list[int]:
     if len(ids) < 2:
         raise ValueError(f"the probe text encodes to {len(ids)} token(s) in this tokenizer; the check needs 2")
     return [int(t) for t in ids]
-
-
-def reference_logprobs(model: torch.nn.Module, ids: Sequence[int]) -> list[float]:
-    """The trainer's log-probabilities of ``ids[1:]`` (float32, temperature 1). Under FSDP2 every rank calls it
-    (the forward all-gathers the weights)."""
-    device = next(model.parameters()).device
-    tokens = torch.tensor([list(ids)], device=device)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(model, tokens, torch.ones_like(tokens))
-    finally:
-        model.train(was_training)
-    return logprobs[0, 1:].float().cpu().tolist()
 
 
 def gap(reading: Sequence[float], reference: Sequence[float]) -> float:

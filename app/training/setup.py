@@ -35,6 +35,7 @@ from rewards import check_tasks
 from rewards.runner import RewardRunner
 from trainer.checkpoint import load_checkpoint
 from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
+from trainer.lora import apply_lora
 from trainer.model import build_tiny_tokenizer, load_model
 from trainer.optim import build_optimizer
 from trainer.precision import fsdp_param_dtype
@@ -166,10 +167,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     closing = contextlib.ExitStack()
     try:
         fleet = start_fleet(cfg, closing, model_dir, dist, resume, tokenizer)
-        if dist.world_size > 1:
-            shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
-        model.train()
-        optimizer, scheduler = build_optimizer(model, cfg.optim, cfg.run.steps)
+        optimizer, scheduler = make_trainable(model, cfg, dist, cfg.run.steps)
         if resume.checkpoint is not None:
             restore(cfg, resume, model, optimizer, scheduler, dist.rank)
         try:
@@ -266,6 +264,21 @@ def start_fleet(
     if resume.checkpoint is not None and opened.kind == "sglang":
         fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect
     return fleet
+
+
+def make_trainable(model, cfg: Config, dist: DistInfo, total_steps: int):
+    """The one way `train` and `sft` turn a loaded model into what they train: LoRA adapters when
+    ``trainer.lora.rank`` > 0 (trainer/lora.py), FSDP2 sharding under torchrun (bf16 mixed precision on GPUs
+    with ``trainer.compute_dtype=bfloat16``), training mode, then AdamW over the trainable parameters and its
+    schedule. Returns (optimizer, scheduler)."""
+    try:
+        apply_lora(model, cfg.trainer.lora, seed=cfg.run.seed)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if dist.world_size > 1:
+        shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
+    model.train()
+    return build_optimizer(model, cfg.optim, total_steps)
 
 
 def restore(cfg: Config, resume: Resume, model, optimizer, scheduler, rank: int) -> None:

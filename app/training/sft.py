@@ -39,13 +39,11 @@ from app.evaluation.run import EvalResult
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
 from app.training.resume import resume_run
-from app.training.setup import restore, start_process
+from app.training.setup import make_trainable, restore, start_process
 from app.training.sft_loop import FitSettings, fit
 from trainer.checkpoint import prune_checkpoints, save_checkpoint, step_dir
-from trainer.distributed import DistInfo, Reducer, barrier, shard_model
+from trainer.distributed import DistInfo, Reducer, barrier
 from trainer.model import load_model
-from trainer.optim import build_optimizer
-from trainer.precision import fsdp_param_dtype
 
 log = logging.getLogger("trustbatch")
 
@@ -79,10 +77,7 @@ def run_sft(cfg: Config) -> dict:
         len(held.examples), total_steps, cfg.sft.batch_size, total_steps * cfg.sft.batch_size / len(train.examples),
     )  # fmt: skip
 
-    if dist.world_size > 1:
-        shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
-    model.train()
-    optimizer, scheduler = build_optimizer(model, cfg.optim, total_steps)
+    optimizer, scheduler = make_trainable(model, cfg, dist, total_steps)
     if resume.checkpoint is not None:
         restore(cfg, resume, model, optimizer, scheduler, dist.rank)
     tracker = Tracker(cfg.tracking, cfg.run.path, run_name=cfg.run.name, enabled=dist.is_main,

@@ -19,6 +19,7 @@ from transformers import Qwen2ForCausalLM  # noqa: E402
 
 from tests.helpers import random_qwen2  # noqa: E402
 from trainer.logprobs import token_logprobs  # noqa: E402
+from trainer.lora import LoraConfig, apply_lora  # noqa: E402
 from trainer.objective import ObjectiveConfig  # noqa: E402
 from trainer.optim import OptimConfig, build_optimizer  # noqa: E402
 from trainer.step import TrainBatch, TrainerConfig, train_step  # noqa: E402
@@ -34,6 +35,8 @@ GLOBAL_ROWS = 7
 # "sgd_gradient": as step_uneven but plain SGD without clipping, so the weight change IS the gradient: this
 #   pins the DP-scaling convention directly (AdamW's normalisation amplifies rounding on tiny gradients).
 # "sequence_diagnosed": as sgd_gradient with per-sequence ESS and the per-term gradient-norm diagnostics.
+# "lora": as step_uneven with LoRA adapters injected before sharding (trainer/lora.py); the merged weights that
+#   a publication sends (`state_dict_for_sync`) are compared as well.
 # "shared_prompts": as sgd_gradient with trainer.share_prompts on a batch whose rows share prompts in pairs (one
 #   pair split across the ranks): the packed forward with its 4D block mask under FSDP2, padding micro-batches too.
 TEMPERATURE = {"step_uneven": 0.9}
@@ -64,6 +67,8 @@ SCENARIOS: dict[str, tuple[ObjectiveConfig, TrainerConfig, tuple[int, int], str]
         "sgd",
     ),
 }
+SCENARIOS["lora"] = (ObjectiveConfig(name="ess"), TrainerConfig(micro_batch_size=2, ess_scope="step"), (5, 2), "adamw")
+LORA = {"lora": LoraConfig(rank=4, alpha=8.0)}  # "lora": LoRA adapters (trainer/lora.py) on every linear, AdamW
 SHARED_PROMPTS = {"shared_prompts": 3}  # build_batch(..., shared_prompts=3) for these scenarios
 DIAGNOSE = {"sequence_diagnosed"}  # train_step(..., diagnose=True): the per-term gradient norms as well
 OPTIM = OptimConfig(lr=1e-2, schedule="linear", warmup_steps=1, weight_decay=0.01)
@@ -126,9 +131,12 @@ def rows_of(batch: TrainBatch, start: int, stop: int) -> TrainBatch:
 def run_scenario(name: str, reducer, *, rank: int, world_size: int, shard) -> dict:
     """Build the model (sharded by `shard` if given) and run STEPS train_steps; returns metrics + weights."""
     from trainer.distributed import full_state_dict
+    from trainer.weights import state_dict_for_sync
 
     objective, trainer_cfg, split, optimizer_kind = SCENARIOS[name]
     model = build_model(seed=0)
+    if name in LORA:
+        apply_lora(model, LORA[name])  # lora_A's initial values come from the seeded torch RNG, as on every rank
     batch = build_batch(
         model, seed=1, temperature=TEMPERATURE.get(name, 1.0), shared_prompts=SHARED_PROMPTS.get(name, 0)
     )
@@ -146,7 +154,10 @@ def run_scenario(name: str, reducer, *, rank: int, world_size: int, shard) -> di
         )
         for _ in range(STEPS)
     ]
-    return {"metrics": metrics, "state": full_state_dict(model)}
+    result = {"metrics": metrics, "state": full_state_dict(model)}
+    if name in LORA:
+        result["merged"] = state_dict_for_sync(model, every_rank=True)
+    return result
 
 
 def main(out_dir: str) -> None:

@@ -87,10 +87,19 @@ def test_two_ranks_match_one_process(two_process_results, references, scenario):
         assert got["state"].keys() == reference["state"].keys()
         for key, ref_w in reference["state"].items():
             torch.testing.assert_close(got["state"][key], ref_w, atol=weight_atol, rtol=0, msg=key)
+        if "merged" in reference:  # LoRA: what a publication sends, merged under the base model's names
+            assert got["merged"].keys() == initial_keys() and reference["merged"].keys() == initial_keys()
+            for key, ref_w in reference["merged"].items():
+                torch.testing.assert_close(got["merged"][key], ref_w, atol=weight_atol, rtol=0, msg=key)
     # The weights really moved, so the agreement is not trivial.
     initial = dist_worker.build_model(seed=0).state_dict()
-    moved = max((reference["state"][k] - v).abs().max().item() for k, v in initial.items())
+    final = reference.get("merged", reference["state"])
+    moved = max((final[k] - v).abs().max().item() for k, v in initial.items())
     assert moved > 1e-3
+
+
+def initial_keys():
+    return dist_worker.build_model(seed=0).state_dict().keys()
 
 
 @pytest.mark.slow
