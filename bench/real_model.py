@@ -14,6 +14,9 @@ builtin:word_problems:
   (c) real SGLang 0.5.23 on CPU (.venv-sglang, `make sglang-env`) on the same requests as (b).
   (d) peak memory: the peak RSS of each loop of (a) (each runs in its own process), and of each server's process
       tree (VmHWM summed over the server and its children).
+  (f) with --lora R: `train_step` with LoRA adapters of rank R on every linear layer (trainer.lora) against full
+      fine-tuning, and the time of one disk publication of each (gather, merge the adapters, write the HF
+      directory); --lora-only skips (c) and transformers generate.
   (e) with --bf16: bfloat16 against float32 on each side. The built-in server with rollout.dtype=bfloat16 in
       (b), `train_step` with trainer.compute_dtype=bfloat16 in (a), and what it costs in agreement: for each
       pair (engine dtype, trainer compute dtype), the trainer's logprobs of the engine's own completions at
@@ -26,6 +29,7 @@ behaviour logprobs and +-1 advantages, so its lengths and padding are those of a
 
     .venv/bin/python bench/real_model.py [--prompts 8] [--n 8] [--new 64] [--micro-batch 8]
                                          [--train-sequences 16] [--repeats 2] [--no-sglang] [--bf16]
+                                         [--lora RANK [--lora-only]]
                                          [--out bench/results/real_model.json]
 
 Takes about 15-20 minutes here with the defaults. Writes the JSON (bench/results/ is git-ignored).
@@ -189,8 +193,9 @@ def measure_hf_generate(model_dir: Path, prompts, params: SamplingParams, pad_id
 
 
 def _trainer_child(
-    which: str, model_dir: str, completions: list[Completion], pad_id: int, micro: int, repeats: int, queue
-):  # which: bare | trustbatch | shared | bf16
+    which: str, model_dir: str, completions: list[Completion], pad_id: int, micro: int, repeats: int, queue,
+    lora_rank: int = 0,
+):  # which: bare | trustbatch | shared | bf16 | lora
     """One loop in a fresh process, so that its peak RSS is that loop's own."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -203,6 +208,10 @@ def _trainer_child(
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    if which == "lora":
+        from trainer.lora import LoraConfig, apply_lora
+
+        apply_lora(model, LoraConfig(rank=lora_rank))
     advantages = [1.0 if i % 2 else -1.0 for i in range(len(completions))]
     batch = build_train_batch(completions, advantages, pad_id=pad_id, temperature=1.0)
     tokens = int(batch.attention_mask.sum())
@@ -232,7 +241,7 @@ def _trainer_child(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step = {"bare": bare_step, "trustbatch": trustbatch_step, "shared": trustbatch_step, "bf16": trustbatch_step}[which]
+    step = bare_step if which == "bare" else trustbatch_step
     step()  # warm-up (and AdamW's state)
     times = []
     for _ in range(repeats):
@@ -240,16 +249,27 @@ def _trainer_child(
         step()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
+    publish_s = None
+    if which in ("trustbatch", "lora"):  # a disk publication: gather (and merge the adapters), write the directory
+        from transformers import AutoTokenizer
+
+        from trainer.checkpoint import save_hf_checkpoint
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        with tempfile.TemporaryDirectory() as out:
+            start = time.perf_counter()
+            save_hf_checkpoint(model, tokenizer, Path(out) / "v1")
+            publish_s = round(time.perf_counter() - start, 3)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     queue.put({"batch": {"sequences": batch.batch_size, "width": batch.input_ids.shape[1], "tokens": tokens,
                          "loss_tokens": loss_tokens, "micro_batch_size": micro},
                "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-               "peak_rss_mib": round(peak / MIB)})  # fmt: skip
+               "peak_rss_mib": round(peak / MIB), "publish_s": publish_s})  # fmt: skip
 
 
 def measure_trainer(
     model_dir: Path, completions, pad_id: int, micro: int, repeats: int, *, share_prompts: bool = False,
-    bf16: bool = False,
+    bf16: bool = False, lora_rank: int = 0,
 ) -> dict:
     """Both loops (and `train_step` with trainer.share_prompts if asked), each in its own spawned process, one
     after the other. tokens/s counts the padded batch's attended tokens for every loop: the same work."""
@@ -260,14 +280,16 @@ def measure_trainer(
         which_loops.append(("shared", "train_step, share_prompts"))
     if bf16:
         which_loops.append(("bf16", "train_step, bf16 compute"))
+    if lora_rank:
+        which_loops.append(("lora", f"train_step, LoRA r={lora_rank}"))
     for which, name in which_loops:
         queue = ctx.Queue()
         child = ctx.Process(target=_trainer_child,
-                            args=(which, str(model_dir), completions, pad_id, micro, repeats, queue))  # fmt: skip
+                            args=(which, str(model_dir), completions, pad_id, micro, repeats, queue, lora_rank))  # fmt: skip
         child.start()
         result = queue.get()
         child.join()
-        loops[name] = {k: result[k] for k in ("seconds", "tokens_per_s", "peak_rss_mib")}
+        loops[name] = {k: result[k] for k in ("seconds", "tokens_per_s", "peak_rss_mib", "publish_s")}
     return {"batch": result["batch"], "loops": loops}
 
 
@@ -323,6 +345,10 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-sglang", action="store_true", help="skip (c)")
     parser.add_argument("--bf16", action="store_true", help="also bfloat16 on each side, and (e)")
+    parser.add_argument("--lora", type=int, default=0, metavar="RANK",
+                        help="also train_step with LoRA adapters of this rank on every linear layer (trainer.lora)")
+    parser.add_argument("--lora-only", action="store_true",
+                        help="with --lora: only the trainer loops of (a) (train_step with and without LoRA)")
     parser.add_argument("--out", default=str(REPO / "bench" / "results" / "real_model.json"))
     args = parser.parse_args()
 
@@ -351,9 +377,12 @@ def main() -> int:
             builtin = LocalServerProcess(model_dir, max_batch_size=256, log_path=Path(logs) / "builtin16.log",
                                          dtype="bfloat16")  # fmt: skip
             rollout["built-in server, bf16"] = measure_server(builtin, prompts, params, args.repeats)
-        print("(b) transformers generate ...", flush=True)
-        rollout["transformers generate"] = measure_hf_generate(model_dir, prompts, params, pad_id, args.repeats)
-        if not args.no_sglang and SGLANG_PYTHON.exists():
+        if not args.lora_only:
+            print("(b) transformers generate ...", flush=True)
+            rollout["transformers generate"] = measure_hf_generate(model_dir, prompts, params, pad_id, args.repeats)
+        if args.lora_only:
+            pass
+        elif not args.no_sglang and SGLANG_PYTHON.exists():
             print("(c) SGLang 0.5.23 on CPU ...", flush=True)
             cfg = SGLangLaunchConfig(num_servers=1, python=str(SGLANG_PYTHON), cpu=True, dtype="float32",
                                      max_total_tokens=32768, random_seed=0, startup_timeout_s=600,
@@ -369,16 +398,21 @@ def main() -> int:
     rollout.get("SGLang (CPU)", {}).pop("_completions", None)
 
     print("(a) trainer against a bare fwd+bwd+AdamW loop ...", flush=True)
-    trainer = measure_trainer(model_dir, completions, pad_id, args.micro_batch, args.repeats, bf16=args.bf16)
+    trainer = measure_trainer(model_dir, completions, pad_id, args.micro_batch, args.repeats, bf16=args.bf16,
+                              lora_rank=args.lora)  # fmt: skip
     agreement = precision_agreement(model_dir, samples, pad_id, args.micro_batch) if args.bf16 else {}
 
     bare, ours = trainer["loops"]["bare PyTorch"], trainer["loops"]["trustbatch train_step"]
-    base_gen = rollout["transformers generate"]["tokens_per_s"]
+    base_gen = rollout.get("transformers generate", rollout["built-in server"])["tokens_per_s"]
     print(f"\n(a) trainer, {trainer['batch']['sequences']} sequences x {trainer['batch']['width']} "
           f"({trainer['batch']['tokens']} tokens, micro-batch {args.micro_batch})")  # fmt: skip
     for name, r in trainer["loops"].items():
+        published = f", a disk publication {r['publish_s']:.2f} s" if r.get("publish_s") is not None else ""
         print(f"    {name:<24} {r['tokens_per_s']:>8.1f} tokens/s  ({r['seconds']:.2f} s a step, "
-              f"peak RSS {r['peak_rss_mib']} MiB)")  # fmt: skip
+              f"peak RSS {r['peak_rss_mib']} MiB{published})")  # fmt: skip
+    if args.lora:
+        lora = trainer["loops"][f"train_step, LoRA r={args.lora}"]
+        print(f"    LoRA / full train_step = {lora['tokens_per_s'] / ours['tokens_per_s']:.2f}  (target >= 1.4)")
     print(f"    ratio trustbatch / bare = {ours['tokens_per_s'] / bare['tokens_per_s']:.2f}  (target >= 0.9)")
     print(f"(b, c) rollout, {len(prompts)} prompts x n {args.n}, <= {args.new} new tokens")
     for name, r in rollout.items():
