@@ -2,7 +2,7 @@
 (configs/smollm2-math.yaml), from what the runs wrote, and draw its curves.
 
     .venv/bin/python bench/math_rl.py --sft runs/smollm2-sft --rl runs/smollm2-math [--rl RUN_DIR2 ...] \\
-        [--base base.json] [--out bench/results/math_rl.json] [--plot bench/plots/smollm2_math.png]
+        [--base base.json] [--out bench/results/math_rl.json] [--plot bench/plots/smollm2_math.png] [--seeds]
 
 Several --rl runs (e.g. learning rates) are drawn side by side; a run stopped before its end (no summary.json)
 contributes its training curve and step metrics only.
@@ -31,6 +31,18 @@ from app.evaluation.metrics import clustered_stderr, paired_gain  # noqa: E402
 
 def rows_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def across_seeds(rl: list[dict]) -> dict:
+    """Mean held-out gain of runs that differ only in their seed, with the across-seed standard error."""
+    out = {}
+    for name in ("sampled", "greedy"):
+        gains = [r["held_out"][name]["gain"] for r in rl if name in r.get("held_out", {})]
+        if len(gains) >= 2:
+            mean = sum(gains) / len(gains)
+            sd = (sum((g - mean) ** 2 for g in gains) / (len(gains) - 1)) ** 0.5
+            out[name] = {"n": len(gains), "mean": mean, "se": sd / len(gains) ** 0.5, "gains": gains}
+    return out
 
 
 def rl_held_out(run_dir: Path) -> dict:
@@ -148,6 +160,8 @@ def main() -> int:
     parser.add_argument("--base", type=Path, nargs="*", default=[], help="trustbatch eval --out JSON(s) of the base model")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "math_rl.json")
     parser.add_argument("--plot", type=Path, default=REPO / "bench" / "plots" / "smollm2_math.png")
+    parser.add_argument("--seeds", action="store_true",
+                        help="the --rl runs are seeds of one config: also their mean gains ± the across-seed SE")
     args = parser.parse_args()
     sft = json.loads((args.sft / "summary.json").read_text())
     rl = [rl_report(run) for run in args.rl]
@@ -190,8 +204,12 @@ def main() -> int:
                     print(f"  held-out {name} ({h['prompts']}): {pct(h['start'])} -> {pct(h['end'])}, gain "
                           f"{100 * h['gain']:+.2f} ± {100 * h['gain_se']:.2f} ({h['gain_in_se'] or 0:.1f} SE)")  # fmt: skip
             table.append((f"RL\n{Path(r['run_dir']).name.removeprefix('smollm2-math-')}", held.get("greedy", {}).get("end"), held["sampled"]["end"]))
+    seeds = across_seeds(rl) if args.seeds else {}
+    for name, s in seeds.items():
+        print(f"across {s['n']} seeds, held-out {name}: gain {100 * s['mean']:+.2f} ± {100 * s['se']:.2f} (across-seed SE; "
+              f"per seed {', '.join(f'{100 * g:+.2f}' for g in s['gains'])})")  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"sft": sft, "rl": rl, "base": base}, indent=2, default=str) + "\n")
+    args.out.write_text(json.dumps({"sft": sft, "rl": rl, "base": base, "across_seeds": seeds}, indent=2, default=str) + "\n")
     plot(args.plot, sft_curves(sft), {f"{Path(r['run_dir']).name}, lr {r['lr']:g}": rows_of(Path(r["run_dir"])) for r in rl},
          table)  # fmt: skip
     print(f"wrote {args.out} and {args.plot}")

@@ -214,6 +214,11 @@ class Fleet:
             path, version = self.latest
             await self._load(WeightSource(path=path), version)
         if self.check is not None and model is not None:
+            if self.weight_sync is not None and self.weight_sync.dtype not in (None, "float32"):
+                # Versions will arrive cast (weight_sync.dtype): send the start weights the same way, so that the
+                # start gap, and the tolerance taken from it, include the cast.
+                state = await asyncio.to_thread(joint.gather_weights, model, dtype=self.weight_sync.dtype)
+                await self._load(WeightSource(state_dict=state), version)
             reference = await asyncio.to_thread(self.check.reference, model)
             readings = await self._survive(lambda: self.engine.score(self.check.ids), "the weight check")
             self.check.start(readings, reference, version)

@@ -99,7 +99,8 @@ def test_a_target_the_model_lacks_is_refused(tiny_model_dir):
 
 @pytest.mark.slow
 def test_a_lora_run_publishes_checks_and_checkpoints_merged_weights(tmp_path, tiny_model_dir):
-    cfg = small_config(tmp_path, tiny_model_dir, "trainer.lora.rank=4", "optim.lr=1e-2")
+    cfg = small_config(tmp_path, tiny_model_dir, "trainer.lora.rank=4", "optim.lr=1e-2", "eval.every=0",
+                       "eval.greedy=false", "eval.num_prompts=8")  # fmt: skip
     summary = run(cfg)
     run_dir = tmp_path / "run"
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
