@@ -200,6 +200,12 @@ def load_model(
     from_hub = not local.is_dir()
     if not from_hub:
         source = str(local)
+        if not (local / "config.json").is_file() and (local / "adapter_config.json").is_file():
+            raise FileNotFoundError(
+                f"model directory {path_or_id!r} is a LoRA adapter (adapter_config.json, no config.json), not a "
+                "model: give the checkpoint's model/ directory beside it (the merged weights), or the base model "
+                "with trainer.lora.rank set to train new adapters"
+            )
         if not (local / "config.json").is_file():
             raise FileNotFoundError(
                 f"model directory {path_or_id!r} has no config.json; point at a directory written by "

@@ -30,6 +30,24 @@ def check_compute_dtype(value: object, key: str = "trainer.compute_dtype") -> No
         raise ValueError(f"{key}={value!r} must be one of {list(COMPUTE_DTYPES)}")
 
 
+def bf16_hardware_problem(device: torch.device | str = "cpu") -> str | None:
+    """Why bfloat16 compute would be slow or refused on ``device``, or None where the hardware has it: a CUDA
+    device without bf16 (before Ampere), or a CPU without avx512_bf16 or AMX (bf16 then runs emulated, slower
+    than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return None if torch.cuda.is_bf16_supported() else f"{torch.cuda.get_device_name(device)} has no bfloat16"
+    if device.type != "cpu":
+        return None
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return None  # not Linux: nothing to read, nothing to say
+    if "avx512_bf16" in flags or "amx_bf16" in flags:
+        return None
+    return "this CPU has no bfloat16 instructions (avx512_bf16 or amx_bf16): bf16 runs emulated, slower than float32"
+
+
 def fsdp_param_dtype(compute_dtype: str, device: torch.device) -> str | None:
     """The ``param_dtype`` to give `shard_model`: bf16 FSDP2 mixed precision on CUDA, None elsewhere (autocast)."""
     check_compute_dtype(compute_dtype)

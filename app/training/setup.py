@@ -38,7 +38,7 @@ from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, sh
 from trainer.lora import apply_lora
 from trainer.model import build_tiny_tokenizer, load_model
 from trainer.optim import build_optimizer
-from trainer.precision import fsdp_param_dtype
+from trainer.precision import bf16_hardware_problem, fsdp_param_dtype
 
 log = logging.getLogger("trustbatch")
 
@@ -237,6 +237,8 @@ def start_fleet(
     engines start from the weights the run continues from. A server started here loads while the trainer
     builds its model; `Fleet.connect` waits for it."""
     r = cfg.rollout
+    if r.dtype == "bfloat16" and r.engine != "sglang" and (problem := bf16_hardware_problem("cpu")) is not None:
+        log.warning("rollout.dtype=bfloat16: %s", problem)
     version = resume.step
     engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
     opened = closing.enter_context(
@@ -275,6 +277,10 @@ def make_trainable(model, cfg: Config, dist: DistInfo, total_steps: int):
         apply_lora(model, cfg.trainer.lora, seed=cfg.run.seed)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if cfg.trainer.compute_dtype == "bfloat16" and (problem := bf16_hardware_problem(dist.device)) is not None:
+        if dist.device.type == "cuda":
+            raise ConfigError(f"trainer.compute_dtype=bfloat16: {problem}; use float32")
+        log.warning("trainer.compute_dtype=bfloat16: %s", problem)
     if dist.world_size > 1:
         shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
     model.train()

@@ -78,6 +78,15 @@ def test_the_merged_weights_are_the_adapted_model(tiny_model_dir, tmp_path):
     assert all(torch.allclose(theirs[k], merged[k], atol=1e-6) for k in merged)
 
 
+def test_an_adapter_directory_given_as_a_model_is_refused(tiny_model_dir, tmp_path):
+    from trainer.model import load_model
+
+    model = adapted(tiny_model_dir)
+    save_adapter(model.state_dict(), model.trustbatch_lora, str(tiny_model_dir), tmp_path / "adapter")
+    with pytest.raises(FileNotFoundError, match="is a LoRA adapter"):
+        load_model(str(tmp_path / "adapter"))
+
+
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
