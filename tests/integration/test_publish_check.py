@@ -216,3 +216,25 @@ def test_gap_and_probe_ids():
     assert gap([0.0], [0.0, 1.0]) == float("inf")
     with pytest.raises(ValueError, match="positive"):
         PublishCheckConfig(tolerance=0)
+
+
+def test_drifting_engine_noise_passes_but_a_reading_nearer_an_older_version_fails():
+    """The rule of `PublishCheck.failures` on readings of known gaps: above the tolerance, a reading still nearest
+    the published version is the engine's rounding drifting (it passes); one nearer the start's or the previous
+    version's reference by more than half the tolerance is stale (it fails); the label must match."""
+    from app.rollout.base import ProbeReading
+
+    start, v1, v2 = [0.0] * 4, [0.1] * 4, [0.2] * 4
+    check = PublishCheck(PublishCheckConfig(), [1, 2, 3, 4, 5])
+    check.start([ProbeReading("s", "0", [0.01] * 4)], start, 0)  # start gap 0.01 -> tolerance 0.02
+    assert check.tolerance == pytest.approx(0.02)
+    assert check.failures([ProbeReading("s", "1", [0.1] * 4)], v1, 1) == []  # passes, becomes `previous`
+    drifted = [ProbeReading("s", "2", [0.2 + 0.03] * 4)]  # 0.03 > tolerance, but nearest v2 (v1 is 0.13 away)
+    assert check.failures(drifted, v2, 2) == []
+    stale = [ProbeReading("s", "3", [0.2] * 4)]  # v2's weights under label 3: 0.1 from v3, 0 from v2
+    [problem] = check.failures(stale, [0.3] * 4, 3)
+    assert "nearer version 2's" in problem and "version 3" in problem
+    base = [ProbeReading("s", "3", [0.0] * 4)]  # the start weights under label 3
+    [problem] = check.failures(base, [0.3] * 4, 3)
+    assert "nearer version 0's" in problem
+    assert check.failures([ProbeReading("s", "2", [0.3] * 4)], [0.3] * 4, 3) == ["s answered under weight_version '2', not 3"]
