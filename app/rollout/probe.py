@@ -166,7 +166,8 @@ class PublishCheck:
                 continue
             # Nearer by more than half the tolerance (the engine's own noise, for the automatic one): a bf16
             # engine's noise makes two adjacent versions equally near, and that is no evidence of staleness.
-            nearer = [(old, gap(r.logprobs, ref)) for old, ref in olds if gap(r.logprobs, ref) < g - tolerance / 2]
+            old_gaps = [(old, gap(r.logprobs, ref)) for old, ref in olds]
+            nearer = [(old, g_old) for old, g_old in old_gaps if g_old < g - tolerance / 2]
             if g > MAX_START_GAP or nearer or not olds:
                 closest = min(nearer, key=lambda x: x[1]) if nearer else None
                 near = f", nearer version {closest[0]}'s ({closest[1]:.3g})" if closest else ""

@@ -138,43 +138,42 @@ def test_a_fleet_publishing_from_disk_passes_the_check_every_version(server_a, m
     assert all(g < 1e-4 for g in gaps)
 
 
-def test_a_server_left_on_the_base_weights_is_caught_and_stops_the_run(server_a, model_dirs, tmp_path):
+def publish_through_a_fault(server, model_dirs, tmp_path, *, faulty: int, seed: int):
+    """Connect a fleet to ``server`` (on model a), move the trainer's weights, publish version 1 through a client
+    whose first ``faulty`` updates load model a instead; (recorder, fleet, the flush's error or None)."""
+
     async def go():
         tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
         model, recorder = load(model_dirs[0]), Recorder()
-        client = WrongDirectoryClient(SGLangClientConfig(urls=[server_a.url]), model_dirs[0], times=2)
+        client = WrongDirectoryClient(SGLangClientConfig(urls=[server.url]), model_dirs[0], times=faulty)
+        error = None
         async with client:
             fleet = http_fleet(client, tmp_path, tokenizer)
             await fleet.connect(recorder.hooks(), model)
-            nudge(model, 7)
+            nudge(model, seed)
             await fleet.publish(model, 1)
-            with pytest.raises(PublishCheckError) as caught:
+            try:
                 await fleet.flush()
+            except PublishCheckError as exc:
+                error = exc
             await fleet.close()
-        return recorder, caught.value, fleet.check_retries
+        return recorder, fleet, error
 
-    recorder, error, retries = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_a_server_left_on_the_base_weights_is_caught_and_stops_the_run(server_a, model_dirs, tmp_path):
+    recorder, fleet, error = publish_through_a_fault(server_a, model_dirs, tmp_path, faulty=2, seed=7)
+    assert error is not None
     message = str(error)
     assert server_a.url in message and "version 1" in message and "tolerance" in message
-    assert retries == 1 and recorder.failed == [error]  # published twice, then the loop is told to stop
+    assert fleet.check_retries == 1 and recorder.failed == [error]  # published twice, then the loop is told to stop
 
 
 def test_a_fault_the_second_publish_cures_does_not_stop_the_run(server_a, model_dirs, tmp_path):
-    async def go():
-        tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
-        model, recorder = load(model_dirs[0]), Recorder()
-        client = WrongDirectoryClient(SGLangClientConfig(urls=[server_a.url]), model_dirs[0], times=1)
-        async with client:
-            fleet = http_fleet(client, tmp_path, tokenizer)
-            await fleet.connect(recorder.hooks(), model)
-            nudge(model, 8)
-            await fleet.publish(model, 1)
-            await fleet.flush()
-            await fleet.close()
-        return recorder, fleet.check_retries, fleet.check.last_gap
-
-    recorder, retries, last_gap = asyncio.run(go())
-    assert retries == 1 and not recorder.failed and recorder.held == [1] and last_gap < 1e-4
+    recorder, fleet, error = publish_through_a_fault(server_a, model_dirs, tmp_path, faulty=1, seed=8)
+    assert error is None and fleet.check_retries == 1 and not recorder.failed and recorder.held == [1]
+    assert fleet.check.last_gap < 1e-4
 
 
 def test_a_server_of_another_model_is_refused_at_the_start(server_a, model_dirs, tmp_path):
