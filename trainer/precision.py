@@ -75,3 +75,35 @@ def _mixed_precision_sharded(model: torch.nn.Module) -> bool:
     param_group = getattr(state(), "_fsdp_param_group", None)
     policy = getattr(param_group, "mp_policy", None)
     return policy is not None and policy.param_dtype not in (None, torch.float32)
+
+
+@contextlib.contextmanager
+def weights_rounded_to(model: torch.nn.Module, dtype: str | None):
+    """Inside, every parameter of ``model`` holds its value rounded to ``dtype`` (stored in its own dtype); on
+    exit the exact values come back. None, or the parameters' own dtype: nothing changes.
+
+    What a forward then computes is what an engine holding the weights in ``dtype`` would, up to its arithmetic:
+    a bf16 copy of float32 weights is not the float32 weights plus noise. An RL update is far smaller than a
+    bf16 step for weights near 1 (norm gains: at lr 5e-5, 75 steps moved them by 2e-4, and 0-7% of their bf16
+    values changed), so the engine keeps serving the start's norm gains while the trainer's move. Each rank
+    rounds its own shard under FSDP2 (no communication). Costs one copy of the parameters while inside."""
+    if dtype is None:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    target = getattr(torch, dtype)
+    saved: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for param in model.parameters():  # a tied weight is one parameter: rounded once
+            local = param.to_local() if isinstance(param, DTensor) else param.data
+            if local.dtype == target or not local.is_floating_point():
+                continue
+            saved.append((local, local.clone()))
+            local.copy_(local.to(target))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for local, exact in saved:
+                local.copy_(exact)

@@ -8,8 +8,9 @@ Everything else under app/rollout talks to engines (in process or over HTTP) and
   sent. Under FSDP2 it is a collective: every trainer rank takes part;
 - `save_version`: the Hugging Face directory of a version that servers load with /update_weights_from_disk
   (gathered by every rank, written by rank 0; every rank returns once it is complete);
-- `reference_logprobs`: the trainer's float32 log-probabilities of a token sequence, what the weight-publication
-  check (app/rollout/probe.py) compares every engine with (a collective forward under FSDP2);
+- `reference_logprobs`: the trainer's float32 log-probabilities of a token sequence, with the weights rounded to
+  the engines' weight dtype, what the weight-publication check (app/rollout/probe.py) compares every engine with
+  (a collective forward under FSDP2);
 - for the distributed method (app/rollout/weight_sync.py): `WeightUpdateGroup` (rank 0 of the weight-update
   process group), `plan_buckets` and `tensor_specs` (the buckets and the name/dtype/shape lists of SGLang's
   /update_weights_from_distributed), all from trainer/weights.py.
@@ -25,6 +26,7 @@ from torch import Tensor
 from trainer.checkpoint import save_hf_checkpoint
 from trainer.distributed import barrier
 from trainer.logprobs import token_logprobs
+from trainer.precision import weights_rounded_to
 from trainer.weights import WeightUpdateGroup, plan_buckets, state_dict_for_sync, tensor_specs
 
 __all__ = [
@@ -32,15 +34,17 @@ __all__ = [
 ]  # fmt: skip
 
 
-def reference_logprobs(model: torch.nn.Module, ids: list[int]) -> list[float]:
-    """The trainer's log-probabilities of ``ids[1:]`` given their prefix (float32, temperature 1, no autocast: the
-    master weights). Under FSDP2 every rank calls it (the forward all-gathers the weights)."""
+def reference_logprobs(model: torch.nn.Module, ids: list[int], *, weight_dtype: str | None = None) -> list[float]:
+    """The trainer's log-probabilities of ``ids[1:]`` given their prefix (float32 arithmetic, temperature 1, no
+    autocast), from the master weights, or from them rounded to ``weight_dtype`` (e.g. "bfloat16": the weights a
+    bf16 engine holds; `weights_rounded_to`). Under FSDP2 every rank calls it (the forward all-gathers the
+    weights)."""
     device = next(model.parameters()).device
     tokens = torch.tensor([list(ids)], device=device)
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), weights_rounded_to(model, weight_dtype):
             logprobs, _ = token_logprobs(model, tokens, torch.ones_like(tokens))
     finally:
         model.train(was_training)

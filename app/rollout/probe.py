@@ -10,28 +10,34 @@ How (`PublishCheck`, used by the fleet, app/rollout/fleet.py):
 - **The probe**: `PROBE_TEXT` in the run's tokenizer (at most `MAX_PROBE_TOKENS` tokens): prose, arithmetic and
   code, so that it exercises the whole vocabulary the model is trained on, not one task.
 - **The reference**: the trainer's log-probabilities of the probe (`reference_logprobs`, a float32 forward of the
-  weights it publishes), taken when a version is published, before the next optimizer step changes them.
+  weights it publishes), taken when a version is published, before the next optimizer step changes them. When
+  the engines hold the weights in a lower precision (``weight_dtype``: a bf16 engine, or bf16 sent), the forward
+  uses the weights rounded to it: the engine serves bf16(w), not w, and the two part ways as training goes on.
+  RL updates are far below a bf16 step for weights near 1 (norm gains), so those stay where they started in
+  the engine while the trainer's move; against the float32 reference a bf16 engine's gap on the tiny model grew
+  0.014 -> 0.024 nats in 75 steps at lr 5e-5 and its reading sat nearer the previous version's reference than
+  the published one's (a false "stale"); against the rounded reference it stayed 0.010 -> 0.009.
 - **The reading**: each engine's ``score(ids)`` (SGLang's ``input_token_logprobs`` with ``logprob_start_len: 0``,
   one request per server; the embedded engine in process) and the ``weight_version`` it answered under.
 - **The test**: the version label is the one published, and the gap, mean |engine - reference| over the probe
   tokens, is at most the tolerance; a gap above it fails when the reading is nearer an older version's reference
   (the start's, or the latest passed version's) than the published one's by more than half the tolerance, or is
-  above `MAX_START_GAP`. A gap
-  above the tolerance that is still nearest the published version is the engine's own rounding, which drifts as
-  the weights move (a bf16 engine on the tiny model: 0.014 nats at the start, 0.030 after 78 steps at lr 5e-5). The check runs after the engines report the version (it does not hold up
-  rollouts on the new version). A version that fails it is published once more and checked again; a second
+  above `MAX_START_GAP`. A gap above the tolerance that is still nearest the published version passes: an
+  engine's noise that grew as the weights moved (against a float32 reference, a bf16 engine's gap on the tiny
+  model went 0.014 -> 0.030 nats in 78 steps at lr 5e-5). The check runs after the engines report the version
+  (it does not hold up rollouts on the new version). A version that fails it is published once more and checked again; a second
   failure stops the run (`PublishCheckError`, naming the server, the version, the gap and the tolerance).
 - **At the start** the engines serve the weights the run starts from, and the same reading gives the gap that
   the engine's own arithmetic makes (its precision, its kernels). A start gap above `MAX_START_GAP` means the
   engine serves another model and stops the run; otherwise the automatic tolerance is
   ``max(AUTO_FLOOR, 2 x the start gap)``.
 
-What it can see (measured on SmolLM2-135M-Instruct with this probe, bench/README.md "Verified weight
-publication"): with a float32 engine the start gap is ~1e-7 nats and one optimizer step at lr 1e-5 moves the
-probe by ~5e-3, so every stale version is caught. A bfloat16 engine's own rounding gap is 0.06-0.08 nats, more
-than ten optimizer steps move the probe, and it changes from version to version (bf16 roundings of two nearby
-weight sets differ by 0.04 nats), so there the check catches the gross failures (the base model, weights many
-versions old, another model), not a version one step old, which is in any case below the engine's own noise.
+What it can see (bench/README.md "Verified weight publication"): with a float32 engine the start gap is ~1e-7
+nats and one optimizer step moves the probe by ~5e-3 (SmolLM2, lr 1e-5), so every stale version is caught. A
+bf16 engine against the rounded reference: its own gap is its arithmetic, 0.009-0.012 nats on the quickstart
+model, and one version behind (0.023 there at lr 5e-5) is caught. Against the float32 reference (servers of
+unknown dtype, LoRA) a bf16 engine's gap was 0.05-0.08 on SmolLM2, more than ten optimizer steps move the probe,
+so there the check catches the gross failures (the base model, weights many versions old, another model).
 """
 
 from __future__ import annotations
@@ -108,8 +114,10 @@ def gap(reading: Sequence[float], reference: Sequence[float]) -> float:
 class PublishCheck:
     """The probe of one run: its token ids, the tolerance (given, or calibrated by `start`), the last gaps."""
 
-    def __init__(self, cfg: PublishCheckConfig, ids: list[int]) -> None:
+    def __init__(self, cfg: PublishCheckConfig, ids: list[int], weight_dtype: str | None = None) -> None:
         self.cfg, self.ids = cfg, ids
+        self.weight_dtype = weight_dtype
+        """The dtype the engines hold the weights in, when below float32 (None: float32, or not known)."""
         self.tolerance: float | None = cfg.tolerance
         self.start_reference: tuple[int, list[float]] | None = None
         """(version, reference) of the weights the run started from."""
@@ -120,7 +128,7 @@ class PublishCheck:
         """The largest gap over the engines at the latest check (logged as weights/probe_gap)."""
 
     def reference(self, model: torch.nn.Module) -> list[float]:
-        return reference_logprobs(model, self.ids)
+        return reference_logprobs(model, self.ids, weight_dtype=self.weight_dtype)
 
     def start(self, readings: list[ProbeReading], reference: list[float], version: int) -> None:
         """The check at the start: every engine serves the run's starting weights; sets the automatic tolerance."""
@@ -140,8 +148,9 @@ class PublishCheck:
             self.tolerance = max(AUTO_FLOOR, 2 * worst)
         self.last_gap = worst
         log.info(
-            "weight check: the engines score the probe text within %.3g nats of the trainer at the start (%s); "
-            "tolerance %.3g", worst, ", ".join(f"{s}: {g:.3g}" for s, g in gaps.items()), self.tolerance,
+            "weight check: the engines score the probe text within %.3g nats of the trainer%s at the start (%s); "
+            "tolerance %.3g", worst, f" (weights rounded to {self.weight_dtype})" if self.weight_dtype else "",
+            ", ".join(f"{s}: {g:.3g}" for s, g in gaps.items()), self.tolerance,
         )  # fmt: skip
 
     def failures(self, readings: list[ProbeReading], reference: list[float], version: int) -> list[str]:

@@ -261,11 +261,33 @@ def start_fleet(
         tokenizer=tokenizer,
         is_main=dist.is_main,
         wait_for_push=r.max_lag == 0,
-        check=PublishCheck(r.publish_check, probe_ids(tokenizer)) if r.publish_check.enabled else None,
+        check=PublishCheck(r.publish_check, probe_ids(tokenizer), engine_weight_dtype(cfg, opened.kind))
+        if r.publish_check.enabled
+        else None,
     )
     if resume.checkpoint is not None and opened.kind == "sglang":
         fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect
     return fleet
+
+
+def engine_weight_dtype(cfg: Config, kind: str) -> str | None:
+    """The dtype the rollout engines hold the published weights in, when the config says it is below float32:
+    what a broadcast sends them in (``rollout.sglang.weight_sync.dtype``), else the built-in engines'
+    ``rollout.dtype``, else the launch dtype of the SGLang servers the run starts. None: float32, or not known
+    (SGLang's ``auto``, servers given by URL); the publication check then compares with the float32 weights.
+    With LoRA the engines hold the merged weights rounded, which rounding the adapters and the base apart would
+    not reproduce: None too."""
+    r = cfg.rollout
+    if cfg.trainer.lora.rank > 0:
+        return None
+    sync = r.sglang.weight_sync
+    sent = sync.dtype if kind != "embedded" and sync.method == "distributed" else None
+    if kind == "sglang":
+        served = r.sglang.launch.dtype if r.sglang.launch.num_servers > 0 else "auto"
+    else:
+        served = r.dtype
+    lowest = sent if sent not in (None, "float32") else served
+    return {"bfloat16": "bfloat16", "float16": "float16", "half": "float16"}.get(lowest)
 
 
 def make_trainable(model, cfg: Config, dist: DistInfo, total_steps: int):

@@ -237,3 +237,55 @@ def test_drifting_engine_noise_passes_but_a_reading_nearer_an_older_version_fail
     [problem] = check.failures(base, [0.3] * 4, 3)
     assert "nearer version 0's" in problem
     assert check.failures([ProbeReading("s", "2", [0.3] * 4)], [0.3] * 4, 3) == ["s answered under weight_version '2', not 3"]
+
+
+def test_the_reference_of_a_bfloat16_engine_is_the_float32_forward_of_the_weights_it_holds(model_dirs):
+    """A bf16 engine holds bf16(w), not w: updates below half a bf16 step (norm gains near 1 under RL learning
+    rates) never reach it. With ``weight_dtype`` the reference is computed from exactly the weights the engine
+    holds (bitwise), so the check compares like with like; outside, the trainer keeps its exact weights."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs[0])
+    ids = probe_ids(tokenizer)
+    model = load(model_dirs[0])
+    engine = EmbeddedEngine.from_pretrained(model_dirs[0], dtype=torch.bfloat16)
+    with torch.no_grad():  # what RL does to a norm gain: a move far below the bf16 step of 2**-7 at 1.0
+        for name, param in model.named_parameters():
+            param.add_(1e-3 if "norm" in name else 3e-4)
+    exact = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine.update_weights_sync(WeightSource(state_dict=dict(model.state_dict())), 1)
+    held = dict(engine.model.named_parameters())
+    norm = next(name for name in exact if "norm" in name)
+    assert torch.equal(held[norm].float(), torch.ones_like(exact[norm]))  # the norm gain never moved there
+
+    from trainer.precision import weights_rounded_to
+
+    with weights_rounded_to(model, "bfloat16"):
+        for name, param in model.named_parameters():
+            assert param.dtype == torch.float32 and torch.equal(param, held[name].float()), name
+    for name, param in model.named_parameters():  # the exact weights are back, bitwise
+        assert torch.equal(param, exact[name]), name
+
+    # The rounded reference is the float32 forward of the engine's own weights.
+    upcast = load(model_dirs[0])
+    upcast.load_state_dict({name: t.float() for name, t in engine.model.state_dict().items()})
+    assert reference_logprobs(model, ids, weight_dtype="bfloat16") == reference_logprobs(upcast, ids)
+    assert reference_logprobs(model, ids) != reference_logprobs(upcast, ids)
+
+
+def test_the_engines_weight_dtype_comes_from_the_config():
+    from app.config import load_config
+    from app.training.setup import engine_weight_dtype
+
+    def dtype(kind: str, *overrides: str) -> str | None:
+        return engine_weight_dtype(load_config(None, list(overrides)), kind)
+
+    assert dtype("local") is None and dtype("embedded") is None
+    assert dtype("local", "rollout.dtype=bfloat16") == "bfloat16"
+    assert dtype("embedded", "rollout.dtype=bfloat16") == "bfloat16"
+    launched = ("rollout.engine=sglang", "rollout.sglang.launch.num_servers=1")
+    assert dtype("sglang", *launched) is None  # auto: not known (nor for servers given by URL)
+    assert dtype("sglang", *launched, "rollout.sglang.launch.dtype=bfloat16") == "bfloat16"
+    assert dtype("sglang", *launched, "rollout.sglang.launch.dtype=half") == "float16"
+    sent = ("rollout.sglang.weight_sync.method=distributed", "rollout.sglang.weight_sync.dtype=bfloat16")
+    assert dtype("sglang", *launched, *sent) == "bfloat16"
+    assert dtype("local", "rollout.sglang.weight_sync.dtype=bfloat16") is None  # the disk method writes float32
+    assert dtype("local", "rollout.dtype=bfloat16", "trainer.lora.rank=4") is None
