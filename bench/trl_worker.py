@@ -1,9 +1,15 @@
-"""The TRL side of bench/vs_trl.py: Hugging Face TRL's GRPOTrainer on the quickstart setup, for a time limit.
+"""The TRL side of bench/vs_trl.py: Hugging Face TRL's GRPOTrainer on one of its tasks, for a time limit.
 
 Runs in .venv-trl (bench/trl_env/build.sh), never in the project's .venv, and imports nothing of `app`: the
-parent writes the training prompts as JSONL ({"prompt", "answer"} per line, the builtin:arithmetic train split)
-and passes every setting on the command line. The reward is trustbatch's own `math` verifier (rewards/, put on
-sys.path from the repo root; it needs only math-verify and omegaconf), with the params the parent passes.
+parent writes the training prompts as JSONL and passes every setting on the command line. One row per line:
+`prompt` (a plain string, or a chat as a list of {role, content}: TRL applies the chat template), `reference`
+(JSON text of the gold answer or the list of tests), `task`, `row_id`, `metadata` (JSON text), and `prompt_ids`, the token ids
+trustbatch's engines get for that prompt (checked against TRL's own tokenization before training). The reward
+is one of trustbatch's own verifiers (`--verifier math` or `code`; rewards/ and sandbox/, put on sys.path from
+the repo root; they need only math-verify, omegaconf and the standard library), with the params the parent
+passes, scored as trustbatch's reward runner scores: the verifier's reward, or `--error-reward` when it could
+not judge the sample. `--reward-workers` samples are scored at once (a thread pool: a code sample waits on its
+sandbox process), as trustbatch runs `rewards.num_workers` reward processes.
 
 It trains from a fresh copy of the warm-started model until `--seconds` of training wall time have passed
 (checked after each optimizer step, as `run.time_limit_s` is in trustbatch), saves the final model as a
@@ -29,6 +35,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -54,7 +61,7 @@ def parse_args() -> argparse.Namespace:
         "--model", type=Path, required=True, help="HF model directory (a fresh copy: it is read only)"
     )
     parser.add_argument(
-        "--prompts", type=Path, required=True, help='JSONL of {"prompt", "answer"} training rows'
+        "--prompts", type=Path, required=True, help="JSONL of training rows (see the module docstring)"
     )
     parser.add_argument("--out", type=Path, required=True, help="writes model/ and result.json here")
     parser.add_argument(
@@ -70,12 +77,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--scale-by-std", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--verifier", default="math", help="trustbatch verifier: math or code")
     parser.add_argument(
         "--verifier-params",
         type=json.loads,
         default={"numeric_answer": True},
-        help="params of trustbatch's math verifier, as JSON",
+        help="params of the trustbatch verifier, as JSON",
     )
+    parser.add_argument("--reward-workers", type=int, default=1, help="samples scored at once (threads)")
     parser.add_argument(
         "--error-reward", type=float, default=0.0, help="reward of a sample the verifier can't judge"
     )
@@ -85,21 +94,46 @@ def parse_args() -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------- reward
 
 
-def math_reward(params: dict[str, Any], error_reward: float) -> Callable[..., list[float]]:
-    """A TRL reward function around trustbatch's math verifier, scoring as trustbatch's runner does: the
+def completion_text(completion: str | list[dict[str, Any]]) -> str:
+    """TRL passes a plain completion as text and a chat completion as [{"role": "assistant", "content": ...}]."""
+    if isinstance(completion, str):
+        return completion
+    return "".join(message["content"] for message in completion)
+
+
+def prompt_text(prompt: str | list[dict[str, Any]]) -> str:
+    """The prompt as trustbatch's scorer gives it to a verifier: a chat's message contents, one per line."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(message["content"] for message in prompt)
+
+
+def trustbatch_reward(
+    name: str, params: dict[str, Any], error_reward: float, workers: int
+) -> Callable[..., list[float]]:
+    """A TRL reward function around one of trustbatch's verifiers, scoring as trustbatch's runner does: the
     verifier's reward, or `error_reward` when it could not judge the sample (rewards.error_reward)."""
-    verify = build_verifier("math", **params)
+    verify = build_verifier(name, **params)
+    pool = ThreadPoolExecutor(max_workers=max(1, workers))
 
-    def trustbatch_math(
-        prompts: list[str], completions: list[str], answer: list[str], **_: Any
-    ) -> list[float]:
-        rewards = []
-        for prompt, completion, reference in zip(prompts, completions, answer, strict=True):
-            score = verify(VerifierInput(prompt, completion, reference, {"task": "math"}))
-            rewards.append(error_reward if score.error is not None else float(score.reward))
-        return rewards
+    def score(sample: VerifierInput) -> float:
+        result = verify(sample)
+        return error_reward if result.error is not None else float(result.reward)
 
-    return trustbatch_math
+    def trustbatch_verifier(
+        prompts: list, completions: list, reference: list[str], task: list[str], row_id: list[str],
+        metadata: list[str], **_: Any,
+    ) -> list[float]:  # fmt: skip
+        samples = [
+            VerifierInput(
+                prompt_text(p), completion_text(c), json.loads(ref), {**json.loads(meta), "task": t, "id": i}
+            )
+            for p, c, ref, t, i, meta in zip(prompts, completions, reference, task, row_id, metadata, strict=True)
+        ]
+        return list(pool.map(score, samples))
+
+    trustbatch_verifier.__name__ = f"trustbatch_{name}"  # TRL logs each reward function under its name
+    return trustbatch_verifier
 
 
 # ---------------------------------------------------------------------------------------------- trainer
@@ -162,15 +196,34 @@ def load_model(path: Path):
 
 def load_prompts(path: Path, tokenizer) -> datasets.Dataset:
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    # GRPOTrainer tokenizes plain prompts with the tokenizer's defaults (special tokens added); trustbatch feeds
-    # the engines the ids without special tokens. The comparison holds only where the two agree.
-    sample = [r["prompt"] for r in rows[:256]]
-    if tokenizer(sample)["input_ids"] != tokenizer(sample, add_special_tokens=False)["input_ids"]:
-        raise SystemExit(
-            "this tokenizer adds special tokens to plain prompts: GRPOTrainer would see other prompt ids than "
-            "trustbatch's engines, so the comparison would not be like for like"
-        )
-    return datasets.Dataset.from_list([{"prompt": r["prompt"], "answer": str(r["answer"])} for r in rows])
+    # GRPOTrainer tokenizes a plain prompt with the tokenizer's defaults (special tokens added) and a chat with
+    # apply_chat_template(add_generation_prompt=True); trustbatch's engines get the ids the parent wrote. The
+    # comparison holds only where the two agree, so check a sample of rows before training.
+    for row in rows[:256]:
+        prompt = row["prompt"]
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt)["input_ids"]
+        else:
+            ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)[
+                "input_ids"
+            ]
+        if list(ids) != row["prompt_ids"]:
+            raise SystemExit(
+                f"row {row['row_id']}: GRPOTrainer would see other prompt ids than trustbatch's engines "
+                f"({list(ids)[:12]}... against {row['prompt_ids'][:12]}...), so the comparison would not be like for like"
+            )
+    return datasets.Dataset.from_list(
+        [
+            {
+                "prompt": r["prompt"],
+                "reference": r["reference"],
+                "task": r["task"],
+                "row_id": str(r["row_id"]),
+                "metadata": r["metadata"],
+            }
+            for r in rows
+        ]
+    )
 
 
 def grpo_config(args: argparse.Namespace) -> GRPOConfig:
@@ -225,7 +278,7 @@ def main() -> int:
     limit = TimeLimit(args.seconds)
     trainer = TimedGRPOTrainer(
         model=model,
-        reward_funcs=math_reward(args.verifier_params, args.error_reward),
+        reward_funcs=trustbatch_reward(args.verifier, args.verifier_params, args.error_reward, args.reward_workers),
         args=grpo_config(args),
         train_dataset=dataset,
         processing_class=tokenizer,

@@ -1,17 +1,31 @@
-"""trustbatch against Hugging Face TRL's GRPOTrainer on the quickstart setup, at equal training wall time.
+"""trustbatch against Hugging Face TRL's GRPOTrainer, at equal training wall time, on one of two tasks.
 
-For each seed, one run after another on this machine (never in parallel): `trustbatch train
-configs/quickstart.yaml run.time_limit_s=T` (asynchronous, max_lag 1, the ESS objective), then TRL 1.16.0's
-`GRPOTrainer` (bench/trl_worker.py, in its own virtualenv .venv-trl built by bench/trl_env/build.sh) for the
-same T seconds of training, both from the quickstart's warm-started tiny model. Both final models, and the
-starting model once, are then scored by the same command, `trustbatch eval`: held-out sampled pass@1 on the
-builtin:arithmetic test split (1500 prompts x 4 samples, temperature 1.0, 8 new tokens, sampling seed 0, so
-every model is sampled with the same random streams). Prints a table (steps, completions/s, pass@1 start →
-end, gain ± SE paired by prompt), the mean over seeds ± the across-seed SE per system, the completions/s ratio
-trustbatch/TRL and the gain difference paired by seed; writes bench/results/vs_trl.json.
+`--task quickstart` (default): the quickstart's warm-started tiny model on builtin:arithmetic
+(configs/quickstart.yaml). `--task smollm2-code`: SmolLM2-135M-Instruct writing short Python functions
+(configs/smollm2-code.yaml, `make smollm2` first), rewarded by trustbatch's `code` verifier in its sandbox, which
+TRL's reward function calls too (Docker where an engine runs, else bubblewrap: `backend: auto`).
+
+For each seed, one run after another on this machine (never in parallel): `trustbatch train <config>
+run.time_limit_s=T` (asynchronous, max_lag 1, the ESS objective), then TRL 1.16.0's `GRPOTrainer`
+(bench/trl_worker.py, in its own virtualenv .venv-trl built by bench/trl_env/build.sh) for the same T seconds of
+training, both from the same starting model. Both final models, and the starting model once, are then scored by
+the same command, `trustbatch eval`, side by side (one process and one thread each; evaluations are seeded and
+untimed): held-out sampled pass@1 on the task's test split (quickstart: 1500 prompts x 4 samples, 8 new tokens;
+smollm2-code: 200 functions never trained on x 4 samples, 160 new tokens, correct = all its tests pass),
+temperature 1.0, sampling seed 0, so every model is sampled with the same random streams. Prints a table
+(steps, completions/s, pass@1 start → end, gain ± SE paired by prompt), the mean over seeds ± the across-seed
+SE per system, the completions/s ratio trustbatch/TRL and the gain difference paired by seed; writes
+bench/results/vs_trl.json (smollm2-code: vs_trl-smollm2-code.json) and a plot beside it.
 
     bash bench/trl_env/build.sh                     (run by this script too; a no-op when up to date)
-    .venv/bin/python bench/vs_trl.py [--seconds 300] [--seeds 0 1 2] [--quick]
+    .venv/bin/python bench/vs_trl.py [--task quickstart|smollm2-code] [--seconds 300] [--seeds 0 1 2]
+        [--trl-threads 2] [--quick]
+
+The list below was written for the quickstart; what differs on smollm2-code: chat prompts (TRL renders them with
+the chat template; the worker checks they are the ids trustbatch's engines get), 4 prompts x 8 completions a
+step, at most 160 new tokens, lr 2e-5, advantages not divided by the group std (scale_rewards="none"), rewards
+the fraction of a function's 3 tests passed, 2 reward workers on each side (TRL: a 2-thread pool inside its
+reward function), and trustbatch without shared prompts (the config's default).
 
 Matched (TRL's side read from trl/trainer/grpo_trainer.py and grpo_config.py of trl 1.16.0):
 - Model: the same warm-started directory (a fresh copy for TRL), trained in float32 on both sides. TRL's
@@ -86,12 +100,42 @@ from bench.training_runs import REPO, machine, train  # noqa: E402
 if TYPE_CHECKING:
     from app.config import Config
 
-CONFIG = REPO / "configs" / "quickstart.yaml"
 TRL_ENV_BUILD = REPO / "bench" / "trl_env" / "build.sh"
 TRL_PYTHON = REPO / ".venv-trl" / "bin" / "python"
 TRL_WORKER = REPO / "bench" / "trl_worker.py"
 EVAL_SEED = 0
 """Sampling seed of every evaluation: all models are sampled with the same random streams."""
+
+
+@dataclass(frozen=True)
+class Task:
+    """One setup both systems train on: trustbatch's config and what the comparison needs of it."""
+
+    name: str
+    config: Path
+    verifier: str
+    """The config's one verifier, which TRL's reward function calls in-process."""
+    train_source: str
+    """data.train the TRL worker reproduces (written to JSONL by this script)."""
+    seconds: float
+    """Default training wall time per run."""
+    eval_prompts: int
+    """Default held-out prompts."""
+    in_run_eval: tuple[str, ...] = ()
+    """Overrides of trustbatch's own before/after evaluation (its time is outside the limit, but not free)."""
+    setup: str = ""
+    """How a fresh machine gets the task's model, when the script cannot build it."""
+
+
+TASKS = {
+    "quickstart": Task("quickstart", REPO / "configs" / "quickstart.yaml", "math", "builtin:arithmetic", 300.0, 1500),
+    "smollm2-code": Task(
+        "smollm2-code", REPO / "configs" / "smollm2-code.yaml", "code", "builtin:python_functions", 480.0, 200,
+        # trustbatch eval scores the final models below; the run's own evaluation only needs to exist.
+        in_run_eval=("eval.num_prompts=8", "eval.samples_per_prompt=1", "eval.greedy=false"),
+        setup="make smollm2",
+    ),
+}  # fmt: skip
 
 
 def child_env() -> dict[str, str]:
@@ -112,10 +156,10 @@ def run_logged(command: list[str], log: Path) -> None:
 # ---------------------------------------------------------------------------------------------- setup
 
 
-def quickstart_config() -> Config:
+def task_config(task: Task) -> Config:
     from app.config import load_config
 
-    cfg = load_config(CONFIG, [])
+    cfg = load_config(task.config, [])
     # What the TRL worker reproduces; a config that changed any of these would no longer be compared like for like.
     checks = {
         "optim.schedule == constant": cfg.optim.schedule == "constant",
@@ -124,12 +168,12 @@ def quickstart_config() -> Config:
         "AdamW betas (0.9, 0.999), eps 1e-8": (cfg.optim.beta1, cfg.optim.beta2, cfg.optim.eps)
         == (0.9, 0.999, 1e-8),
         "objective.ref_kl_coef == 0": cfg.objective.ref_kl_coef == 0,
-        "one verifier, math": [v.name for v in cfg.rewards.verifiers] == ["math"],
-        "plain prompts (builtin:arithmetic)": cfg.data.train == "builtin:arithmetic",
+        f"one verifier, {task.verifier}": [v.name for v in cfg.rewards.verifiers] == [task.verifier],
+        f"data.train == {task.train_source}": cfg.data.train == task.train_source,
     }
     broken = [name for name, ok in checks.items() if not ok]
     if broken:
-        raise SystemExit(f"{CONFIG} no longer matches what bench/trl_worker.py reproduces: {broken}")
+        raise SystemExit(f"{task.config} no longer matches what bench/trl_worker.py reproduces: {broken}")
     return cfg
 
 
@@ -140,24 +184,41 @@ def ensure_trl_env() -> None:
         raise SystemExit(f"bash {TRL_ENV_BUILD.relative_to(REPO)} failed (exit {code}); see its output above")
 
 
-def ensure_model(cfg: Config, log: Path) -> Path:
-    """The quickstart's warm-started model, bootstrapped as `trustbatch train` would if it is missing."""
-    path = REPO / cfg.model.path
+def ensure_model(task: Task, cfg: Config, log: Path) -> Path:
+    """The task's starting model: the quickstart's warm-started one is bootstrapped as `trustbatch train` would
+    if it is missing; another must already be on disk (`task.setup` puts it there)."""
+    path = Path(cfg.model.path)
+    path = path if path.is_absolute() else REPO / path
     if not (path / "config.json").is_file():
-        print(f"bootstrapping the warm-started tiny model at {path} ...", flush=True)
-        run_logged([sys.executable, "-m", "app.cli", "bootstrap", str(CONFIG)], log)
+        if not task.setup:
+            print(f"bootstrapping the warm-started tiny model at {path} ...", flush=True)
+            run_logged([sys.executable, "-m", "app.cli", "bootstrap", str(task.config)], log)
+        else:
+            raise SystemExit(f"no model at {path} (model.path of {task.config.name}): run `{task.setup}` first")
     return path
 
 
-def write_train_prompts(cfg: Config, path: Path) -> int:
-    """The rows `trustbatch train` trains on (builtin:arithmetic, train split), as JSONL for the TRL worker."""
+def write_train_prompts(cfg: Config, model: Path, path: Path) -> int:
+    """The rows `trustbatch train` trains on, as JSONL for the TRL worker: each prompt as TRL takes it (a
+    string, or a chat it renders with the chat template), its reference and metadata as JSON text (so tests
+    of any shape pass through `datasets` unchanged), and the token ids trustbatch's engines get for it."""
     from app.data import load_split
+    from app.data.prepare import ModelText, encode_rows
 
     rows = load_split(cfg.data, "train")
+    ids = encode_rows(ModelText.from_dir(model).tokenizer, rows)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as out:
-        for row in rows:
-            out.write(json.dumps({"id": row.id, "prompt": row.prompt, "answer": row.answer}) + "\n")
+        for row, prompt_ids in zip(rows, ids, strict=True):
+            line = {
+                "row_id": row.id,
+                "prompt": row.prompt if row.prompt is not None else row.messages,
+                "reference": json.dumps(row.answer if row.answer is not None else row.tests),
+                "task": row.task,
+                "metadata": json.dumps(row.metadata),
+                "prompt_ids": prompt_ids,
+            }
+            out.write(json.dumps(line) + "\n")
     return len(rows)
 
 
@@ -171,10 +232,13 @@ def fresh_dir(path: Path) -> Path:
 # ---------------------------------------------------------------------------------------------- training
 
 
-def train_trustbatch(seed: int, seconds: float, eval_prompts: int, root: Path) -> dict[str, Any]:
-    run_dir = fresh_dir(root / f"trustbatch-seed{seed}")
+def train_trustbatch(
+    task: Task, seed: int, seconds: float, eval_prompts: int, root: Path, name: str = "trustbatch",
+    extra: tuple[str, ...] = (),
+) -> dict[str, Any]:  # fmt: skip
+    run_dir = fresh_dir(root / f"{name}-seed{seed}")
     result = train(
-        CONFIG,
+        task.config,
         run_dir,
         [
             f"run.time_limit_s={seconds}",
@@ -184,8 +248,10 @@ def train_trustbatch(seed: int, seconds: float, eval_prompts: int, root: Path) -
             "checkpoint.every=0",  # the final checkpoint only: it holds the model evaluated below
             f"eval.num_prompts={eval_prompts}",
             "tracking.log_model=false",
+            *task.in_run_eval,
+            *extra,
         ],
-        log=root / f"trustbatch-seed{seed}.log",
+        log=root / f"{name}-seed{seed}.log",
     )
     s = result["summary"]
     model = Path(s["checkpoint_dir"])
@@ -205,12 +271,15 @@ def train_trustbatch(seed: int, seconds: float, eval_prompts: int, root: Path) -
 
 
 def train_trl(
-    cfg: Config, seed: int, seconds: float, threads: int, prompts: Path, model: Path, root: Path
+    task: Task, cfg: Config, seed: int, seconds: float, threads: int, prompts: Path, model: Path, root: Path
 ) -> dict:
     out = fresh_dir(root / f"trl-seed{seed}")
     start_model = out / "start-model"
     shutil.copytree(model, start_model)  # a fresh copy: nothing TRL does can touch the shared model
-    math_params = cfg.rewards.verifiers[0].params
+    from app.scoring import rewards_with_sandbox
+
+    # The verifier's params as trustbatch's reward workers get them (the code verifier: with the config's sandbox).
+    params = rewards_with_sandbox(cfg.rewards, cfg.sandbox).verifiers[0].params
     command = [
         str(TRL_PYTHON), str(TRL_WORKER),
         "--model", str(start_model), "--prompts", str(prompts), "--out", str(out),
@@ -220,7 +289,8 @@ def train_trl(
         "--temperature", str(cfg.rollout.temperature), "--top-p", str(cfg.rollout.top_p),
         "--max-new-tokens", str(cfg.rollout.max_new_tokens),
         "--scale-by-std" if cfg.advantage.scale_by_std else "--no-scale-by-std",
-        "--verifier-params", json.dumps(dict(math_params)), "--error-reward", str(cfg.rewards.error_reward),
+        "--verifier", task.verifier, "--verifier-params", json.dumps(dict(params)),
+        "--error-reward", str(cfg.rewards.error_reward), "--reward-workers", str(cfg.rewards.num_workers),
     ]  # fmt: skip
     run_logged(command, out / "worker.log")
     return json.loads((out / "result.json").read_text())
@@ -229,16 +299,39 @@ def train_trl(
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
-def evaluate(model_dir: Path, cfg: Config, eval_prompts: int, samples: int, out: Path) -> dict[str, Any]:
-    """`trustbatch eval` of one model; its per-prompt accuracies (for paired gains) and pass@1 ± SE."""
-    command = [
+def eval_command(task: Task, model_dir: Path, cfg: Config, eval_prompts: int, samples: int, out: Path) -> list[str]:
+    return [
         sys.executable, "-m", "app.cli", "eval", str(model_dir),
-        "--config", str(CONFIG), "--data", cfg.data.eval,
+        "--config", str(task.config), "--data", cfg.data.eval,
         "--num-prompts", str(eval_prompts), "--samples", str(samples), "--k", "1",
         "--temperature", str(cfg.rollout.temperature), "--max-new-tokens", str(cfg.rollout.max_new_tokens),
         "--seed", str(EVAL_SEED), "--threads", "1", "--no-track", "--out", str(out),
     ]  # fmt: skip
-    run_logged(command, out.with_suffix(".log"))
+
+
+def evaluate(task: Task, models: dict[str, Path], cfg: Config, eval_prompts: int, samples: int, root: Path,
+             suffix: str = "") -> dict[str, dict[str, Any]]:  # fmt: skip
+    """`trustbatch eval` of each model, one process (one thread) each, at the same time: evaluations are not
+    timed and each is seeded, so running them side by side changes their wall time, not their results. Returns
+    each model's per-prompt accuracies (for paired gains) and pass@1 ± SE."""
+    outs = {name: root / f"eval-{name}{suffix}.json" for name in models}
+    running = []
+    for name, model_dir in models.items():
+        log = open(outs[name].with_suffix(".log"), "w")  # noqa: SIM115 - closed below, after the process ends
+        command = eval_command(task, model_dir, cfg, eval_prompts, samples, outs[name])
+        process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
+        running.append((command, log, process))
+    for command, log, process in running:
+        code = process.wait()
+        log.close()
+        if code != 0:
+            raise RuntimeError(
+                f"{' '.join(command)} exited with {code}; end of its log:\n{Path(log.name).read_text()[-3000:]}"
+            )
+    return {name: read_eval(out) for name, out in outs.items()}
+
+
+def read_eval(out: Path) -> dict[str, Any]:
     report = json.loads(out.read_text())
     return {
         "ids": [p["id"] for p in report["prompts"]],
@@ -275,7 +368,7 @@ def se_pts(x: float) -> str:
 
 def summarize(runs: list[dict]) -> dict[str, Any]:
     systems = {}
-    for system in ("trustbatch", "trl"):
+    for system in dict.fromkeys(r["system"] for r in runs):
         mine = [r for r in runs if r["system"] == system]
         gain, gain_se = mean_se([r["gain"] for r in mine])
         rate, rate_se = mean_se([r["completions_per_s"] for r in mine])
@@ -291,11 +384,17 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
     seeds = sorted({r["seed"] for r in runs})
     diff, diff_se = mean_se([by_seed["trustbatch", s]["gain"] - by_seed["trl", s]["gain"] for s in seeds])
     ratio = systems["trustbatch"]["completions_per_s"] / systems["trl"]["completions_per_s"]
+    variants = {}
+    for name in systems:
+        if name not in ("trustbatch", "trl"):
+            d, d_se = mean_se([by_seed["trustbatch", s]["gain"] - by_seed[name, s]["gain"] for s in seeds])
+            variants[name] = {"gain_difference": d, "gain_difference_se_across_seeds": d_se}
     return {
         "systems": systems,
         "completions_per_s_ratio": ratio,
         "gain_difference": diff,
         "gain_difference_se_across_seeds": diff_se,
+        "variants": variants,
     }
 
 
@@ -330,6 +429,14 @@ def print_report(start: dict, runs: list[dict], summary: dict, eval_prompts: int
             f"    seed {pair['seed']}: {pts(pair['gain_difference'])} ± {se_pts(pair['se_by_prompt'])} "
             "(SE paired by prompt)"
         )
+    for name, v in summary["variants"].items():
+        print(
+            f"  gain trustbatch − {name} (paired by seed): {pts(v['gain_difference'])} ± "
+            f"{se_pts(v['gain_difference_se_across_seeds'])}"
+        )
+        for pair in summary["by_seed"]:
+            d = pair[f"vs_{name}"]
+            print(f"    seed {pair['seed']}: {pts(d['difference'])} ± {se_pts(d['se_by_prompt'])} (SE paired by prompt)")
     for r in runs:
         if r["system"] == "trl":
             d = r["details"]
@@ -347,22 +454,43 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--seconds", type=float, help="training wall time per run (default 300; --quick 60)")
+    parser.add_argument(
+        "--task", choices=sorted(TASKS), default="quickstart",
+        help="quickstart: the tiny model on arithmetic; smollm2-code: SmolLM2-135M-Instruct writing Python",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seconds", type=float, help="training wall time per run (default 300, smollm2-code 480; --quick 60)"
+    )
     parser.add_argument(
         "--seeds", type=int, nargs="+", help="run.seed / TRL seed of each pair (default 0 1 2)"
     )
-    parser.add_argument("--eval-prompts", type=int, help="held-out prompts (default 1500; --quick 300)")
+    parser.add_argument(
+        "--eval-prompts", type=int, help="held-out prompts (default 1500, smollm2-code 200; --quick 300 or fewer)"
+    )
     parser.add_argument(
         "--eval-samples", type=int, help="samples per held-out prompt (default: eval.samples_per_prompt)"
     )
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
+    parser.add_argument(
+        "--also", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="one more trustbatch run per seed with these overrides, scored beside the others "
+        "(e.g. ppo_clip:objective.name=ppo_clip); repeatable",
+    )  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a smoke run: 60 s, seed 0, 300 eval prompts")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     parser.add_argument("--plot-only", action="store_true", help="redraw OUT/vs_trl.png from OUT/vs_trl.json")
     args = parser.parse_args()
-    args.seconds = args.seconds or (60.0 if args.quick else 300.0)
+    args.task = TASKS[args.task]
+    also = []
+    for spec in args.also:
+        name, _, overrides = spec.partition(":")
+        if not name or not overrides or name in ("trustbatch", "trl", "start") or "=" not in overrides:
+            parser.error(f"--also {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE] with a new name")
+        also.append((name, tuple(overrides.split(","))))
+    args.also = also
+    args.seconds = args.seconds or (60.0 if args.quick else args.task.seconds)
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
-    args.eval_prompts = args.eval_prompts or (300 if args.quick else 1500)
+    args.eval_prompts = args.eval_prompts or (min(300, args.task.eval_prompts) if args.quick else args.task.eval_prompts)
     return args
 
 
@@ -387,16 +515,20 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
 
     Returns a row per system and the seed's gain difference trustbatch − TRL, paired by prompt (the two final
     models were sampled on the same prompts with the same seed)."""
-    root, start = shared.root, shared.start
+    root, start, task = shared.root, shared.start, args.task
     print(f"seed {seed}: trustbatch, {args.seconds:g} s of training ...", flush=True)
-    results = {"trustbatch": train_trustbatch(seed, args.seconds, args.eval_prompts, root)}
+    results = {"trustbatch": train_trustbatch(task, seed, args.seconds, args.eval_prompts, root)}
     print(f"seed {seed}: TRL GRPOTrainer, {args.seconds:g} s of training ...", flush=True)
-    results["trl"] = train_trl(cfg, seed, args.seconds, args.trl_threads, shared.prompts, shared.model, root)
-    rows, ends = [], {}
+    results["trl"] = train_trl(task, cfg, seed, args.seconds, args.trl_threads, shared.prompts, shared.model, root)
+    for name, overrides in args.also:
+        print(f"seed {seed}: trustbatch with {' '.join(overrides)} ({name}), {args.seconds:g} s of training ...", flush=True)
+        results[name] = train_trustbatch(task, seed, args.seconds, args.eval_prompts, root, name, overrides)
+    print(f"seed {seed}: evaluating the final models ...", flush=True)
+    models = {system: Path(result["model_dir"]) for system, result in results.items()}
+    ends = evaluate(task, models, cfg, args.eval_prompts, shared.samples, root, suffix=f"-seed{seed}")
+    rows = []
     for system, result in results.items():
-        print(f"seed {seed}: evaluating the {system} model ...", flush=True)
-        out = root / f"eval-{system}-seed{seed}.json"
-        end = ends[system] = evaluate(Path(result["model_dir"]), cfg, args.eval_prompts, shared.samples, out)
+        end = ends[system]
         gain, gain_se = paired_diff(start, end)
         rows.append({
             "system": system, "seed": seed, "steps": result["steps"], "completions": result["completions"],
@@ -405,24 +537,31 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
             "gain": gain, "gain_se": gain_se, "details": result,
         })  # fmt: skip
     difference, difference_se = paired_diff(ends["trl"], ends["trustbatch"])
-    return rows, {"seed": seed, "gain_difference": difference, "se_by_prompt": difference_se}
+    pair = {"seed": seed, "gain_difference": difference, "se_by_prompt": difference_se}
+    for name, _ in args.also:  # trustbatch (the config as written) − each variant, paired by prompt
+        d, d_se = paired_diff(ends[name], ends["trustbatch"])
+        pair[f"vs_{name}"] = {"difference": d, "se_by_prompt": d_se}
+    return rows, pair
 
 
 def main() -> int:
     args = parse_args()
+    task: Task = args.task
+    stem = "vs_trl" if task.name == "quickstart" else f"vs_trl-{task.name}"
+    json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     if args.plot_only:
-        plot(json.loads((args.out / "vs_trl.json").read_text()), args.out / "vs_trl.png")
-        print(f"wrote {args.out / 'vs_trl.png'}")
+        plot(json.loads(json_path.read_text()), png_path)
+        print(f"wrote {png_path}")
         return 0
-    cfg = quickstart_config()
-    root = args.out.resolve() / "vs_trl"
+    cfg = task_config(task)
+    root = args.out.resolve() / stem
     ensure_trl_env()
     samples = args.eval_samples or cfg.eval.samples_per_prompt
-    model = ensure_model(cfg, root / "bootstrap.log")
+    model = ensure_model(task, cfg, root / "bootstrap.log")
     prompts = root / "train_prompts.jsonl"
-    print(f"{write_train_prompts(cfg, prompts)} training prompts written to {prompts}", flush=True)
+    print(f"{write_train_prompts(cfg, model, prompts)} training prompts written to {prompts}", flush=True)
     print("evaluating the starting model ...", flush=True)
-    start = evaluate(model, cfg, args.eval_prompts, samples, root / "eval-start.json")
+    start = evaluate(task, {"start": model}, cfg, args.eval_prompts, samples, root)["start"]
     shared = Shared(root=root, model=model, prompts=prompts, samples=samples, start=start)
     runs, pairs = [], []
     for seed in args.seeds:
@@ -441,16 +580,17 @@ def main() -> int:
             "eval_samples": samples,
             "eval_seed": EVAL_SEED,
             "trl_threads": args.trl_threads,
-            "config": str(CONFIG.relative_to(REPO)),
+            "also": {name: list(overrides) for name, overrides in args.also},
+            "task": task.name,
+            "config": str(task.config.relative_to(REPO)),
         },
         "start": {"pass@1": start["pass@1"], "pass@1_se": start["pass@1_se"]},
         "runs": runs,
         "summary": summary,
     }
-    out = args.out / "vs_trl.json"
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out / "vs_trl.png")
-    print(f"\nwrote {out} and {args.out / 'vs_trl.png'}")
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, png_path)
+    print(f"\nwrote {json_path} and {png_path}")
     return 0
 
 
@@ -461,10 +601,15 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    systems = ["trustbatch", "trl"]
+    variants = list(report["settings"].get("also", {}))
+    systems = ["trustbatch", "trl", *variants]
     threads = report["settings"]["trl_threads"]
-    labels = ["trustbatch", f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''})"]
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.8))
+    labels = [
+        "trustbatch", f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''})",
+        *(f"trustbatch\n{name}" for name in variants),
+    ]  # fmt: skip
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:gray"]
+    fig, axes = plt.subplots(1, 2, figsize=(9 + 2 * len(variants), 3.8))
     for ax, key, scale, title in (
         (axes[0], "completions_per_s", 1.0, "completions / s of training"),
         (axes[1], "gain", 100.0, "held-out pass@1 gain (points)"),
@@ -473,12 +618,13 @@ def plot(report: dict, path: Path) -> None:
             values = [scale * r[key] for r in report["runs"] if r["system"] == system]
             m = mean(values)
             se = stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
-            ax.bar(i, m, yerr=se, capsize=4, color=("tab:blue", "tab:orange")[i], alpha=0.7)
+            ax.bar(i, m, yerr=se, capsize=4, color=colors[i % len(colors)], alpha=0.7)
             ax.scatter([i] * len(values), values, color="black", s=12, zorder=3)
         ax.set_xticks(range(len(systems)), labels)
         ax.set_title(title)
     seconds, seeds = report["settings"]["seconds"], report["settings"]["seeds"]
-    fig.suptitle(f"{seconds:g} s of training each, seeds {seeds} (dots), mean ± across-seed SE (bars)")
+    task = report["settings"].get("task", "quickstart")
+    fig.suptitle(f"{task}: {seconds:g} s of training each, seeds {seeds} (dots), mean ± across-seed SE (bars)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
