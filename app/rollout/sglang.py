@@ -56,6 +56,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 import httpx
@@ -435,7 +436,8 @@ class SGLangClient:
                 "Face directory (safetensors + config) and pass WeightSource(path=...), or push it over a "
                 "process group with app.rollout.weight_sync.DistributedWeightSync (NCCL/gloo)"
             )
-        body = {"model_path": str(source.path), "weight_version": str(int(version))}
+        # Absolute: a server given by URL resolves a relative path against its own working directory, not ours.
+        body = {"model_path": str(Path(source.path).resolve()), "weight_version": str(int(version))}
         if abort_all_requests:
             body["abort_all_requests"] = True
         await asyncio.gather(*(self._update_one(url, body) for url in self.urls))

@@ -26,6 +26,7 @@ from trainer.step import TrainBatch, TrainerConfig, train_step  # noqa: E402
 
 VOCAB = 64
 GLOBAL_ROWS = 7
+PROBE_IDS = [(7 * i) % VOCAB for i in range(1, 40)]
 
 # name -> (objective, trainer config, rows of the global batch per rank for world size 2, optimizer).
 # "micro_batch": one micro-batch per rank, so the per-micro-batch ESS over both ranks is the whole batch's ESS,
@@ -155,6 +156,12 @@ def run_scenario(name: str, reducer, *, rank: int, world_size: int, shard) -> di
         for _ in range(STEPS)
     ]
     result = {"metrics": metrics, "state": full_state_dict(model)}
+    if name == "micro_batch":  # the publication check's reference of a bf16 engine: each rank rounds its shard
+        from app.rollout.joint import reference_logprobs
+
+        result["bf16_reference"] = reference_logprobs(model, PROBE_IDS, weight_dtype="bfloat16")
+        after = full_state_dict(model)
+        result["restored"] = all(torch.equal(after[k], v) for k, v in result["state"].items())
     if name in LORA:
         result["merged"] = state_dict_for_sync(model, every_rank=True)
     return result

@@ -112,6 +112,26 @@ def test_per_term_gradient_norms_agree_across_ranks(two_process_results, referen
 
 
 @pytest.mark.slow
+def test_the_bf16_rounded_reference_is_the_one_process_one_and_leaves_the_shards_exact(two_process_results, references):
+    """The publication check's reference for a bf16 engine (`weights_rounded_to` under FSDP2: each rank rounds
+    its own shard, the forward all-gathers the rounded values) equals the unsharded model's, and every shard is
+    back to its exact value afterwards."""
+    from app.rollout.joint import reference_logprobs
+
+    assert references["micro_batch"]["restored"]
+    for results in two_process_results:
+        got = results["micro_batch"]
+        assert got["restored"]
+        # Against an unsharded model holding the same final weights (the ranks' weights equal the one-process
+        # run's only to rounding, and bf16 rounding can tip either way on such differences).
+        model = dist_worker.build_model(seed=0)
+        model.load_state_dict(got["state"])
+        expected = reference_logprobs(model, dist_worker.PROBE_IDS, weight_dtype="bfloat16")
+        assert expected != reference_logprobs(model, dist_worker.PROBE_IDS)  # the rounding changed something
+        torch.testing.assert_close(torch.tensor(got["bf16_reference"]), torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_uneven_split_runs_padding_micro_batches(two_process_results):
     # 5 vs 2 rows at micro_batch_size 2: both ranks ran max(3, 1) = 3 micro-batches.
     for results in two_process_results:

@@ -14,13 +14,15 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
 import uvicorn
 
-from app.rollout.base import SamplingParams
+from app.rollout.base import SamplingParams, WeightSource
 from app.rollout.embedded import EmbeddedEngine
+from app.rollout.sglang import SGLangClient, SGLangClientConfig
 from app.serving.native import create_app
 from trainer.model import build_tiny_tokenizer
 
@@ -310,7 +312,7 @@ def test_update_weights_from_disk_changes_outputs_and_weight_version(model_dirs)
         srv.close()
 
 
-def test_rollout_server_command_serves_until_stopped(model_dirs):
+def test_rollout_server_command_serves_until_stopped(model_dirs, monkeypatch):
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     command = [
@@ -346,6 +348,12 @@ def test_rollout_server_command_serves_until_stopped(model_dirs):
         big = httpx.post(f"{url}/generate", json={"input_ids": [1] * 4000, "sampling_params": {}})
         assert big.status_code == 413 and "max_body_bytes" in big.json()["error"]
         assert httpx.get(f"{url}/server_info").json()["max_body_bytes"] == 4096
+        # A weight directory given relative to the trainer's working directory (run.dir defaults to runs/<name>)
+        # reaches a server working elsewhere: the client sends it absolute.
+        monkeypatch.chdir(model_dirs[1].parent)
+        client = SGLangClient(SGLangClientConfig(urls=[url]))
+        asyncio.run(client.update_weights(WeightSource(path=Path(model_dirs[1].name)), 3))
+        assert httpx.get(f"{url}/get_model_info").json()["weight_version"] == "3"
     finally:
         proc.terminate()
         proc.wait(timeout=20)
