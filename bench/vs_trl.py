@@ -411,13 +411,13 @@ def print_report(start: dict, runs: list[dict], summary: dict, eval_prompts: int
         change = f"{100 * r['start']:.2f}% → {100 * r['end']:.2f}%"
         gain = f"{pts(r['gain'])} ± {se_pts(r['gain_se'])}"
         print(
-            f"{r['system']:<11}{r['seed']:>5}{r['steps']:>7}{r['completions_per_s']:>9.0f}  {change:<20}{gain:>15}"
+            f"{r['system']:<11}{r['seed']:>5}{r['steps']:>7}{r['completions_per_s']:>9.3g}  {change:<20}{gain:>15}"
         )
     print("\nmean over seeds ± across-seed SE:")
     for system, s in summary["systems"].items():
         print(
             f"  {system:<11} gain {pts(s['gain'])} ± {se_pts(s['gain_se_across_seeds'])}, "
-            f"{s['completions_per_s']:.0f} completions/s, {s['steps']:.0f} steps"
+            f"{s['completions_per_s']:.3g} completions/s, {s['steps']:.0f} steps"
         )
     print(f"  completions/s trustbatch / TRL: {summary['completions_per_s_ratio']:.2f}")
     print(
