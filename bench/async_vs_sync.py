@@ -16,17 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
-from statistics import mean, stdev
 
-from training_runs import REPO, machine, train
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error across seeds (nan for one value)."""
-    return mean(values), (stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+from training_runs import REPO, machine, mean_se, train
 
 
 def lag_setting(text: str) -> str:

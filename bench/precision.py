@@ -24,15 +24,9 @@ import argparse
 import json
 import math
 from pathlib import Path
-from statistics import mean, stdev
+from statistics import mean
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    if not values:
-        return float("nan"), float("nan")
-    return mean(values), (stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
+from training_runs import REPO, mean_se
 
 
 def run_metrics(sweep: Path, objective: str, lag: int, seed: int) -> dict[str, float]:

@@ -8,14 +8,23 @@ the evaluation history (inside the last checkpoint's state.json), which is all a
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
+from statistics import mean, stdev
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def mean_se(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error (sample std / sqrt(n)); nan for no values, SE nan for one."""
+    if not values:
+        return float("nan"), float("nan")
+    return mean(values), (stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
 def machine() -> dict:

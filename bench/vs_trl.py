@@ -95,7 +95,7 @@ from typing import TYPE_CHECKING, Any
 # `rewards` package that app.config imports.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.training_runs import REPO, machine, train  # noqa: E402
+from bench.training_runs import REPO, machine, mean_se, train  # noqa: E402
 
 if TYPE_CHECKING:
     from app.config import Config
@@ -339,13 +339,6 @@ def read_eval(out: Path) -> dict[str, Any]:
         "pass@1": report["metrics"]["pass@1"]["value"],
         "pass@1_se": report["metrics"]["pass@1"]["stderr"],
     }
-
-
-def mean_se(values: list[float]) -> tuple[float, float]:
-    """Mean and its standard error (sample std / sqrt(n)); SE is nan for fewer than two values."""
-    if not values:
-        return float("nan"), float("nan")
-    return mean(values), (stdev(values) / math.sqrt(len(values)) if len(values) > 1 else float("nan"))
 
 
 def paired_diff(before: dict, after: dict) -> tuple[float, float]:
