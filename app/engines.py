@@ -75,7 +75,10 @@ class EngineOptions:
     """Policy version of the weights in the model directory (the servers' ``weight_version`` label)."""
     rank: int = 0
     """The trainer rank starting the engine: server logs are named by it, launched SGLang servers of rank r
-    are numbered from ``r * launch.num_servers`` (their ports, GPUs and seeds)."""
+    are numbered from ``r * launch.num_servers`` (their log names and seeds)."""
+    local_rank: int | None = None
+    """Its rank on its own machine (torchrun's LOCAL_RANK): launched SGLang servers take their ports and GPUs
+    from ``local_rank * launch.num_servers`` on; None: ``rank`` (one machine)."""
     wait: bool = True
     """Block until every server started here answers GET /health (False: the caller waits; see above)."""
 
@@ -211,6 +214,7 @@ def _start(kind: EngineKind, model_dir: Path, options: EngineOptions, servers: l
     servers += launch_servers(
         launch, model_dir, log_dir, weight_version=options.weight_version,
         first_index=options.rank * launch.num_servers,
+        first_node_index=(options.rank if options.local_rank is None else options.local_rank) * launch.num_servers,
     )  # fmt: skip
     log.info("rank %d: SGLang at %s", options.rank, ", ".join(s.url for s in servers))
     return replace(client_cfg, urls=[s.url for s in servers], launch=launch)

@@ -244,6 +244,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's `obj` (picklable), in rank order, on every rank; `[obj]` without a process group."""
+    if not dist.is_initialized():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def destroy_distributed() -> None:
     """Tear down the default process group if this process created one."""
     if dist.is_initialized():

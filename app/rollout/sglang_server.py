@@ -56,11 +56,13 @@ class SGLangLaunchConfig:
     base_port: int = 0
     """Port of server 0; server i listens on base_port + i. 0 = a free port for each."""
     base_gpu_id: int = 0
-    """First GPU of server 0 (--base-gpu-id); server i starts at base_gpu_id + i * tp_size. Ignored when
+    """First GPU of a machine's server 0 (--base-gpu-id); its server i starts at base_gpu_id + i * tp_size,
+    where i counts the servers of every rank on that machine (LOCAL_RANK * num_servers + j). Ignored when
     gpu_ids is set or cpu is true."""
     gpu_ids: list[int] = field(default_factory=list)
-    """Explicit GPUs: server i gets CUDA_VISIBLE_DEVICES = gpu_ids[i*tp_size : (i+1)*tp_size]; needs exactly
-    num_servers * tp_size entries. Empty = use base_gpu_id."""
+    """Explicit GPUs of each machine: its server i (as above) gets CUDA_VISIBLE_DEVICES =
+    gpu_ids[i*tp_size : (i+1)*tp_size]. A multiple of num_servers * tp_size entries: that many for each rank
+    on a machine. Empty = use base_gpu_id."""
     tp_size: int = 1
     """Tensor-parallel GPUs per server (--tp-size)."""
     mem_fraction_static: float | None = None
@@ -104,11 +106,12 @@ class SGLangLaunchConfig:
             raise ValueError(f"{key}.tp_size must be >= 1, got {self.tp_size}")
         if self.base_gpu_id < 0:
             raise ValueError(f"{key}.base_gpu_id must be >= 0, got {self.base_gpu_id}")
-        if self.gpu_ids and len(self.gpu_ids) != self.num_servers * self.tp_size:
+        per_rank = self.num_servers * self.tp_size
+        if self.gpu_ids and (per_rank == 0 or len(self.gpu_ids) % per_rank):
             raise ValueError(
-                f"{key}.gpu_ids={list(self.gpu_ids)} has {len(self.gpu_ids)} entries but num_servers x tp_size = "
-                f"{self.num_servers} x {self.tp_size} = {self.num_servers * self.tp_size}: list one GPU per "
-                f"server rank, or leave it empty and set {key}.base_gpu_id"
+                f"{key}.gpu_ids={list(self.gpu_ids)} has {len(self.gpu_ids)} entries, not a multiple of "
+                f"num_servers x tp_size = {self.num_servers} x {self.tp_size} = {per_rank}: list that many GPUs for "
+                f"each trainer rank on a machine, or leave it empty and set {key}.base_gpu_id"
             )
         if any(g < 0 for g in self.gpu_ids) or len(set(self.gpu_ids)) != len(self.gpu_ids):
             raise ValueError(f"{key}.gpu_ids={list(self.gpu_ids)} must be distinct GPU indices >= 0")
@@ -153,10 +156,13 @@ class SGLangServerProcess(ServerProcess):
     Args:
         model_dir: Hugging Face model directory (config.json + safetensors) to load at start.
         cfg: the launch settings shared by all servers.
-        index: this server's position (its port offset, GPUs and seed offset).
+        index: this server's position in the whole run (its name and seed offset).
         log_path: file that receives the server's stdout and stderr (appended).
         weight_version: the policy version of the weights in ``model_dir`` (``--weight-version``).
-        port: fixed port; 0 = ``cfg.base_port + index``, or a free port when ``cfg.base_port`` is 0.
+        port: fixed port; 0 = ``cfg.base_port + node_index``, or a free port when ``cfg.base_port`` is 0.
+        node_index: its position on its own machine (its port offset and GPUs); None: ``index`` (one node).
+            GPUs and ports are per machine: past one node, server ``index`` of the run is not the
+            ``index``-th GPU of the machine it runs on.
     """
 
     start_error = SGLangLaunchError
@@ -167,11 +173,14 @@ class SGLangServerProcess(ServerProcess):
         cfg: SGLangLaunchConfig,
         *,
         index: int = 0,
+        node_index: int | None = None,
         log_path: str | Path,
         weight_version: int | str = 0,
         port: int = 0,
     ) -> None:
         self.cfg, self.index = cfg, index
+        self.node_index = index if node_index is None else node_index
+        local = self.node_index
         env: dict[str, str] = {}
         env_defaults = {"TOKENIZERS_PARALLELISM": "false"}
         if cfg.cpu:
@@ -179,8 +188,16 @@ class SGLangServerProcess(ServerProcess):
             env_defaults["OMP_NUM_THREADS"] = "1"  # one torch thread per process unless told otherwise
         elif cfg.gpu_ids:
             tp = cfg.tp_size
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in cfg.gpu_ids[index * tp : (index + 1) * tp])
-        port = port or (cfg.base_port + index if cfg.base_port else free_port())
+            gpus = cfg.gpu_ids[local * tp : (local + 1) * tp]
+            if len(gpus) < tp:
+                raise SGLangLaunchError(
+                    f"SGLang server {local} of this machine needs GPUs {local * tp}..{(local + 1) * tp - 1} of "
+                    f"rollout.sglang.launch.gpu_ids={list(cfg.gpu_ids)}, which has {len(cfg.gpu_ids)}: list "
+                    f"num_servers x tp_size = {cfg.num_servers * tp} GPUs for each trainer rank on a machine "
+                    "(torchrun's --nproc_per_node of them)"
+                )
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
+        port = port or (cfg.base_port + local if cfg.base_port else free_port())
         super().__init__(
             self._argv,
             model_dir=model_dir,
@@ -206,7 +223,7 @@ class SGLangServerProcess(ServerProcess):
         if cfg.cpu:
             args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
         elif not cfg.gpu_ids:
-            args += ["--base-gpu-id", str(cfg.base_gpu_id + self.index * cfg.tp_size)]
+            args += ["--base-gpu-id", str(cfg.base_gpu_id + self.node_index * cfg.tp_size)]
         if cfg.kv_tokens is not None:
             args += ["--max-total-tokens", str(cfg.kv_tokens)]
         if cfg.mem_fraction_static is not None:
@@ -233,11 +250,13 @@ def launch_servers(
     *,
     weight_version: int | str = 0,
     first_index: int = 0,
+    first_node_index: int | None = None,
 ) -> list[SGLangServerProcess]:
     """Start ``cfg.num_servers`` SGLang servers of ``model_dir`` and wait until all are healthy.
 
-    Logs go to ``log_dir/sglang-<i>.log``; ``first_index`` offsets i (ports, GPUs, seeds), e.g. by
-    ``rank * num_servers`` when every trainer rank launches its own servers. The servers start together (loading overlaps); on any failure every
+    Logs go to ``log_dir/sglang-<i>.log``; ``first_index`` offsets i (names, seeds), e.g. by
+    ``rank * num_servers`` when every trainer rank launches its own servers, and ``first_node_index`` offsets
+    their place on this machine (ports, GPUs), e.g. by ``local_rank * num_servers``; None: ``first_index``. The servers start together (loading overlaps); on any failure every
     server started here is stopped and SGLangLaunchError names the failing one, with its log tail.
     """
     if cfg.num_servers < 1:
@@ -252,9 +271,11 @@ def launch_servers(
         )
     servers = [
         SGLangServerProcess(
-            model_dir, cfg, index=i, log_path=Path(log_dir) / f"sglang-{i}.log", weight_version=weight_version
-        )
-        for i in range(first_index, first_index + cfg.num_servers)
+            model_dir, cfg, index=first_index + i, node_index=(first_index if first_node_index is None else
+            first_node_index) + i, log_path=Path(log_dir) / f"sglang-{first_index + i}.log",
+            weight_version=weight_version,
+        )  # fmt: skip
+        for i in range(cfg.num_servers)
     ]
     try:
         for server in servers:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +36,7 @@ from app.training.resume import Resume, set_aside
 from rewards import check_tasks
 from rewards.runner import RewardRunner
 from trainer.checkpoint import load_checkpoint
-from trainer.distributed import DistInfo, Reducer, barrier, init_distributed, shard_model
+from trainer.distributed import DistInfo, Reducer, barrier, gather_objects, init_distributed, shard_model
 from trainer.lora import apply_lora
 from trainer.model import build_tiny_tokenizer, load_model
 from trainer.optim import build_optimizer
@@ -131,10 +133,39 @@ def early_text(cfg: Config) -> ModelText | None:
     return None
 
 
+def check_same_config(cfg: Config) -> None:
+    """Under torchrun, stop every rank with one ConfigError when any rank resolved a config unlike rank 0's.
+
+    Each node starts its own ``torchrun`` with its own command line, files and environment (``${oc.env:...}``
+    resolves per machine), and a difference is silent until ranks disagree on something collective: a batch
+    size, a step count, a weight version. Ranks exchange the flat resolved config once, right after joining the
+    group (one collective that every rank reaches, so it cannot wait on a rank that is not there), and every rank
+    raises the same message naming the differing ranks, their hosts and node ranks, and the keys.
+    """
+    here = (socket.gethostname(), os.environ.get("GROUP_RANK", "?"), flatten(cfg))
+    every = gather_objects(here)
+    ref_host, ref_node, ref = every[0]
+    problems = []
+    for rank, (host, node, flat) in enumerate(every[1:], start=1):
+        keys = sorted(k for k in ref.keys() | flat.keys() if ref.get(k, "<unset>") != flat.get(k, "<unset>"))
+        if keys:
+            shown = ", ".join(f"{k}={flat.get(k, '<unset>')!r} (rank 0: {ref.get(k, '<unset>')!r})" for k in keys[:5])
+            more = f" and {len(keys) - 5} more" if len(keys) > 5 else ""
+            problems.append(f"rank {rank} (host {host}, node {node}): {shown}{more}")
+    if problems:
+        raise ConfigError(
+            f"the ranks resolved different configs; against rank 0 (host {ref_host}, node {ref_node}): "
+            + "; ".join(problems)
+            + ". Start every node's torchrun with the same config file and overrides (and the same environment "
+            "for ${oc.env:...} values), from the same checkout"
+        )
+
+
 def start_process(cfg: Config, resume: Resume) -> DistInfo:
     """This process's part of a run (`train` and `sft`): the process group (torchrun's, or none), torch's threads
     and seed; on rank 0 the run directory, its config.yaml, and the damaged checkpoints moved aside."""
     dist = init_distributed()
+    check_same_config(cfg)
     torch.set_num_threads(cfg.run.threads)
     torch.manual_seed(cfg.run.seed)
     if dist.is_main:
@@ -247,7 +278,7 @@ def start_fleet(
             engine_dir,
             EngineOptions(
                 max_batch_size=r.max_batch_size, sglang=r.sglang, log_dir=cfg.run.path, weight_version=version,
-                rank=dist.rank, wait=False, dtype=r.dtype,
+                rank=dist.rank, local_rank=dist.local_rank, wait=False, dtype=r.dtype,
             ),  # fmt: skip
         )
     )

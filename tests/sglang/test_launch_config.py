@@ -85,6 +85,24 @@ def test_gpu_assignment(tmp_path):
     assert "--base-gpu-id" not in server.command()
 
 
+def test_past_one_machine_gpus_and_ports_come_from_the_servers_place_on_its_own_machine(tmp_path):
+    """Rank 3 of a run with 2 ranks per machine (LOCAL_RANK 1), one server each: its server is number 3 of the
+    run (log name, seed) but number 1 of its machine (GPU, port); before, it asked for GPU 3 of a 2-GPU node."""
+    from app.rollout.sglang_server import SGLangLaunchError
+
+    by_base = SGLangLaunchConfig(num_servers=1, base_gpu_id=0, base_port=31000, random_seed=7)
+    server = SGLangServerProcess(tmp_path, by_base, index=3, node_index=1, log_path=tmp_path / "s.log")
+    argv = " ".join(server.command())
+    assert "--base-gpu-id 1" in argv and "--port 31001" in argv and "--random-seed 10" in argv
+    assert server.url == "http://127.0.0.1:31001"
+
+    by_ids = SGLangLaunchConfig(num_servers=1, gpu_ids=[6, 7])  # two ranks on each machine, one GPU each
+    server = SGLangServerProcess(tmp_path, by_ids, index=3, node_index=1, log_path=tmp_path / "s.log")
+    assert server.environment()["CUDA_VISIBLE_DEVICES"] == "7"
+    with pytest.raises(SGLangLaunchError, match=r"server 2 of this machine needs GPUs 2\.\.2 of .*gpu_ids=\[6, 7\]"):
+        SGLangServerProcess(tmp_path, by_ids, index=2, node_index=2, log_path=tmp_path / "s.log")
+
+
 def test_free_ports_and_missing_interpreter(tmp_path):
     from app.rollout.sglang_server import SGLangLaunchError
 
