@@ -222,16 +222,18 @@ class RolloutConfig:
                 f"rollout.max_lag={self.max_lag} needs rollout.engine=local (or sglang); or set rollout.max_lag=0"
             )
         launching = self.sglang.launch.num_servers > 0
-        if self.engine == "sglang" and not self.sglang.urls and not launching:
+        given = bool(self.sglang.urls or self.sglang.router)
+        if self.engine == "sglang" and not given and not launching:
             raise ValueError(
-                "rollout.engine=sglang needs rollout.sglang.urls (e.g. [http://127.0.0.1:30000]) or servers to "
-                "start (rollout.sglang.launch.num_servers=1 with launch.python=<the SGLang env's python>); "
-                "or use rollout.engine=local to start the built-in CPU server"
+                "rollout.engine=sglang needs rollout.sglang.urls (e.g. [http://127.0.0.1:30000]), a "
+                "rollout.sglang.router, or servers to start (rollout.sglang.launch.num_servers=1 with "
+                "launch.python=<the SGLang env's python>); or use rollout.engine=local to start the built-in CPU server"
             )
-        if self.sglang.urls and launching:
+        if given and launching:
+            which = f"rollout.sglang.urls={list(self.sglang.urls)}" if self.sglang.urls else "rollout.sglang.router"
             raise ValueError(
-                f"rollout.sglang.urls={list(self.sglang.urls)} and rollout.sglang.launch.num_servers="
-                f"{self.sglang.launch.num_servers} are both set: give URLs of running servers, or servers to start"
+                f"{which} and rollout.sglang.launch.num_servers={self.sglang.launch.num_servers} are both set: "
+                "give running servers, or servers to start"
             )
         if launching and self.engine != "sglang":
             raise ValueError(
@@ -242,6 +244,11 @@ class RolloutConfig:
             raise ValueError(
                 f"rollout.sglang.weight_sync.method=distributed needs SGLang servers (rollout.engine=sglang); "
                 f"rollout.engine={self.engine} loads weights from disk: set weight_sync.method=disk"
+            )
+        if self.engine != "sglang" and self.sglang.router:
+            raise ValueError(
+                f"rollout.sglang.router={self.sglang.router!r} is set but rollout.engine={self.engine} does not "
+                "use it: set rollout.engine=sglang, or clear rollout.sglang.router"
             )
         if self.engine != "sglang" and self.sglang.urls:
             raise ValueError(

@@ -7,8 +7,8 @@ everywhere (``rollout.engine``, ``trustbatch eval --engine``, ``trustbatch serve
 - ``embedded``: the built-in CPU engine inside this process (`EmbeddedEngine`); nothing to start or stop.
 - ``local``: the built-in CPU server as a child process (``trustbatch rollout-server``, a free loopback port),
   driven over SGLang's native HTTP API by the one SGLang client.
-- ``sglang``: real SGLang. Servers given by URL (``rollout.sglang.urls``, several behind an ``sglang-router``
-  too) are connected to; otherwise ``rollout.sglang.launch`` servers are started here as child processes
+- ``sglang``: real SGLang. Servers given by URL (``rollout.sglang.urls``), or an sglang-router in front of them
+  (``rollout.sglang.router``), are connected to; otherwise ``rollout.sglang.launch`` servers are started here as child processes
   (``python -m sglang.launch_server`` from ``launch.python``, SGLang's own environment). With no URLs and no
   launch settings (eval and serve), one server is launched: on CPU when CUDA is absent.
 - ``auto`` (eval, serve): ``sglang`` when CUDA is available and SGLang can be run (installed here, or an
@@ -162,7 +162,8 @@ def open_engine(kind: str, model_dir: str | Path, options: EngineOptions | None 
         )  # fmt: skip
         yield OpenEngine("embedded", engine, [])
         return
-    if resolved == "sglang" and not options.sglang.urls and not _can_run_sglang(options.sglang.launch):
+    running = bool(options.sglang.urls or options.sglang.router)
+    if resolved == "sglang" and not running and not _can_run_sglang(options.sglang.launch):
         raise ValueError(
             "engine sglang: SGLang is not installed in this environment; install the GPU extra (pip install "
             "'trustbatch[gpu]', as the Docker image does), give the interpreter of an environment that has it "
@@ -187,7 +188,7 @@ def _can_run_sglang(launch: SGLangLaunchConfig) -> bool:
 def _start(kind: EngineKind, model_dir: Path, options: EngineOptions, servers: list[ServerProcess]):
     """Start the servers of an HTTP kind into ``servers``; returns the client settings with their URLs."""
     client_cfg = options.sglang
-    if kind == "sglang" and client_cfg.urls:
+    if kind == "sglang" and (client_cfg.urls or client_cfg.router):
         return client_cfg  # running servers
     log_dir = options.log_dir or Path(tempfile.mkdtemp(prefix="trustbatch-engine-"))
     if kind == "local":

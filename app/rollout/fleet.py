@@ -180,6 +180,7 @@ class Fleet:
         """Versions that failed the check once and were published again."""
         self._sync: DistributedWeightSync | None = None
         self._sync_restarts = 0
+        self._sync_members: list[str] = []
         self.restarts = 0
         self.resubmits = 0
         self.busy = BusyMeter()
@@ -315,6 +316,9 @@ class Fleet:
         staleness bound drops what it generates before then)."""
         if source.path is not None:
             self.latest = (Path(source.path), int(version))
+        if isinstance(self.engine, SGLangClient) and self.engine.router is not None:
+            # Behind a router every version goes to each worker it lists that answers now (app/rollout/router.py).
+            await self._survive(self.engine.refresh_workers, "reading the router's workers")
         if self.weight_sync is not None and source.state_dict is not None:
             await self._survive(lambda: self._broadcast(source.state_dict, version), "a weight broadcast")
         else:
@@ -322,14 +326,18 @@ class Fleet:
 
     async def _broadcast(self, state_dict: dict, version: int) -> None:
         assert isinstance(self.engine, SGLangClient) and self.weight_sync is not None
-        if self._sync is not None and (self._sync.broken or self._sync_restarts != self.restarts):
-            # A restarted server left the group, and a failed push leaves it unusable: form a new one.
+        members = list(self.engine.urls)
+        if self._sync is not None and (
+            self._sync.broken or self._sync_restarts != self.restarts or self._sync_members != members
+        ):
+            # A restarted server left the group, a failed push leaves it unusable, and behind a router the
+            # workers may have changed: form a new one.
             with contextlib.suppress(Exception):
                 await self._sync.close()
             self._sync = None
         if self._sync is None:
             self._sync = await DistributedWeightSync.connect(self.engine, self.weight_sync)
-            self._sync_restarts = self.restarts
+            self._sync_restarts, self._sync_members = self.restarts, members
         await self._sync.push(state_dict, version)
         self.engine.policy_version = int(version)
 

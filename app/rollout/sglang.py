@@ -41,8 +41,15 @@ Weights over a process group (NCCL/gloo, ``rollout.sglang.weight_sync.method=dis
 (/init_weights_update_group, /update_weights_from_distributed inside /begin_weight_update ...
 /end_weight_update, /destroy_weights_update_group) and the broadcasts that pair with them live together in
 app/rollout/weight_sync.py, which sends them through this client's ``post_once`` (never retried) and
-``server_info``. This module imports nothing of it: ``WeightSyncConfig``, the section's settings, is defined
-here with the rest of ``rollout.sglang``.
+``server_info``. This module imports nothing of it; the section's settings are in app/rollout/sglang_config.py.
+
+Behind an sglang-router (``rollout.sglang.router``): ``/generate`` goes through the router, which spreads it over
+its workers; everything that must reach every worker (weight updates, the publication check's probe, health,
+``/model_info``) goes to the workers themselves, because the router answers 404 to the weight-update routes
+and forwards ``/model_info`` to one worker only. ``refresh_workers`` reads them from the router's
+``GET /workers`` (app/rollout/router.py) and keeps those that answer ``/health``: the fleet calls it before
+every push, so a worker that died behind the router is left out and one that came back gets the next version
+(until then its completions carry its old ``weight_version``, and the staleness bound judges them by it).
 
 Not covered here: starting servers (``connect`` only attaches to running ones and waits for their health;
 app/rollout/sglang_server.py starts real SGLang servers) and streaming.
@@ -55,15 +62,17 @@ import logging
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import torch
 
 from app.rollout.base import Completion, ProbeReading, SamplingParams, WeightSource
-from app.rollout.sglang_server import SGLangLaunchConfig
+from app.rollout.router import worker_urls
+from app.rollout.sglang_config import SGLangClientConfig
+from app.rollout.sglang_config import (
+    WeightSyncConfig as WeightSyncConfig,  # re-exported: the section lives there
+)
 
 log = logging.getLogger(__name__)
 
@@ -90,101 +99,6 @@ class RolloutResponseError(SGLangError):
     """A server answered 2xx with a body that does not fit SGLang's documented shape."""
 
 
-@dataclass
-class WeightSyncConfig:
-    """How new policy weights reach the SGLang servers (config section ``rollout.sglang.weight_sync``)."""
-
-    method: Literal["disk", "distributed"] = "disk"
-    """disk: save a checkpoint and POST /update_weights_from_disk (servers must see the file system).
-    distributed: broadcast the tensors over a process group (app/rollout/weight_sync.py)."""
-    backend: Literal["auto", "nccl", "gloo"] = "auto"
-    """Process-group backend of the distributed method: nccl (GPU trainer and servers), gloo (CPU), auto =
-    nccl when the trainer process has CUDA, else gloo."""
-    master_address: str = "127.0.0.1"
-    """Address of the trainer as the servers see it (they connect to the group's store there)."""
-    master_port: int = 0
-    """Port of the group's store on the trainer; 0 = a free port."""
-    bucket_mb: float = 1024.0
-    """Largest bucket in MiB: one request and one broadcast each. Above the model's size (in the sent dtype)
-    a push is atomic with respect to generation (see the module docstring)."""
-    dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Cast floating-point weights to this dtype before sending (e.g. bfloat16 for bf16 servers: half the
-    bytes); None sends them as they are. The servers convert to their own dtype either way. The cast is the
-    fleet's gather (`app.rollout.joint.gather_weights`); `DistributedWeightSync.push` sends what it is given."""
-    timeout_s: float = 600.0
-    """Time limit of forming the group and of each broadcast (also covers waiting for in-flight requests)."""
-
-    def __post_init__(self) -> None:
-        key = "rollout.sglang.weight_sync"
-        if not self.master_address:
-            raise ValueError(
-                f"{key}.master_address is empty: give the trainer's address as the servers see it"
-            )
-        if not 0 <= self.master_port <= 65535:
-            raise ValueError(f"{key}.master_port={self.master_port} must be 0 (a free port) or in 1..65535")
-        if not self.bucket_mb > 0:
-            raise ValueError(f"{key}.bucket_mb must be > 0 MiB, got {self.bucket_mb}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"{key}.timeout_s must be > 0 seconds, got {self.timeout_s}")
-
-    def resolved_backend(self) -> Literal["nccl", "gloo"]:
-        if self.backend == "auto":
-            return "nccl" if torch.cuda.is_available() else "gloo"
-        return self.backend
-
-
-@dataclass
-class SGLangClientConfig:
-    """How trustbatch reaches SGLang servers (config section ``rollout.sglang``)."""
-
-    urls: list[str] = field(default_factory=list)
-    """Base URLs of running SGLang servers (or of one sglang-router), e.g. ``http://127.0.0.1:30000``.
-    Several URLs: requests go round-robin over them."""
-    timeout_s: float = 600.0
-    """Time limit of one HTTP request, start to end (a /generate of batch_size prompts, a weight update,
-    which SGLang holds until the in-flight requests finish). A server that hangs is detected after this."""
-    connect_timeout_s: float = 10.0
-    """Time limit of opening a TCP connection to a server."""
-    max_concurrency: int = 4
-    """Requests in flight per server; SGLang batches concurrent requests together."""
-    max_retries: int = 3
-    """Retries of a request after a connection error, a timeout or a 5xx (0 = try once). A /generate
-    request moves to the next server on each retry."""
-    backoff_s: float = 1.0
-    """Back-off before retry k: backoff_s * 2**(k-1), times a random factor in [0.5, 1.5), at most 30 s."""
-    health_timeout_s: float = 600.0
-    """How long `connect` waits for every server to answer GET /health with 200 (model loading and warm-up
-    of a large model take minutes)."""
-    batch_size: int = 32
-    """Prompts per /generate request; each request carries batch_size * n sequences."""
-    launch: SGLangLaunchConfig = field(default_factory=SGLangLaunchConfig)
-    """Start SGLang servers from the run (rollout.engine=sglang with launch.num_servers > 0) instead of
-    connecting to `urls`; the run restarts them if they die or hang."""
-    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
-    """How each new policy version reaches the servers: from disk, or broadcast over NCCL/gloo."""
-
-    def __post_init__(self) -> None:
-        for i, url in enumerate(self.urls):
-            if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-                raise ValueError(
-                    f"rollout.sglang.urls[{i}] must be an http:// or https:// URL, got {url!r} "
-                    "(e.g. http://127.0.0.1:30000)"
-                )
-        for name in ("timeout_s", "connect_timeout_s", "health_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"rollout.sglang.{name} must be > 0 seconds, got {getattr(self, name)}")
-        if self.max_concurrency < 1:
-            raise ValueError(f"rollout.sglang.max_concurrency must be >= 1, got {self.max_concurrency}")
-        if self.max_retries < 0:
-            raise ValueError(
-                f"rollout.sglang.max_retries must be >= 0 (0 = no retry), got {self.max_retries}"
-            )
-        if self.backoff_s < 0:
-            raise ValueError(f"rollout.sglang.backoff_s must be >= 0, got {self.backoff_s}")
-        if self.batch_size < 1:
-            raise ValueError(f"rollout.sglang.batch_size must be >= 1, got {self.batch_size}")
-
-
 class SGLangClient:
     """A RolloutEngine over the native HTTP API of one or more SGLang servers.
 
@@ -197,23 +111,26 @@ class SGLangClient:
     """
 
     def __init__(self, cfg: SGLangClientConfig, *, policy_version: int = 0) -> None:
-        if not cfg.urls:
+        if not cfg.urls and not cfg.router:
             raise ValueError(
                 "rollout.sglang.urls is empty: give the URL(s) of running SGLang servers, "
-                "e.g. rollout.sglang.urls=[http://127.0.0.1:30000]"
+                "e.g. rollout.sglang.urls=[http://127.0.0.1:30000], or rollout.sglang.router"
             )
         self.cfg = cfg
+        self.router = cfg.router.rstrip("/") or None
         self.urls = [url.rstrip("/") for url in cfg.urls]
+        """The servers every update, probe and health check goes to (behind a router: from refresh_workers)."""
         self.policy_version = int(policy_version)
         self._labels: dict[str, int] = {}
         self._next_server = 0
         self._slots = {url: asyncio.Semaphore(cfg.max_concurrency) for url in self.urls}
         self._rng = random.Random()
-        connections = len(self.urls) * (cfg.max_concurrency + 4)  # + room for health/admin calls
+        # + room for health/admin calls; behind a router the workers are not known yet (the slots bound requests).
+        connections = None if self.router else len(self.urls) * (cfg.max_concurrency + 4)
         # trust_env=False: an http_proxy in the environment must not capture in-cluster or loopback servers.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.timeout_s, connect=cfg.connect_timeout_s),
-            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+            limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections or 64),
             trust_env=False,
         )
 
@@ -241,7 +158,7 @@ class SGLangClient:
         size = self.cfg.batch_size
         chunks = [prompts[start : start + size] for start in range(0, len(prompts), size)]
         first = self._next_server
-        self._next_server = (first + len(chunks)) % len(self.urls)
+        self._next_server = (first + len(chunks)) % len(self._targets)
         tasks = [
             asyncio.ensure_future(
                 self._generate_chunk(
@@ -250,7 +167,7 @@ class SGLangClient:
                     index=i,
                     num_chunks=len(chunks),
                     start=i * size,
-                    first_server=(first + i) % len(self.urls),
+                    first_server=(first + i) % len(self._targets),
                     progress=progress,
                 )
             )
@@ -463,15 +380,53 @@ class SGLangClient:
         probes = await asyncio.gather(*(self.probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in self.urls))
         return all(ok for ok, _ in probes)
 
+    async def refresh_workers(self) -> bool:
+        """Behind a router: the workers it lists (GET /workers) that answer GET /health become ``urls``; True
+        when that changed. RolloutServerError when the router does not answer or no worker is healthy."""
+        assert self.router is not None
+        try:
+            _, payload = await self._call("GET", "/workers", None, what="GET /workers", servers=[self.router])
+        except RolloutRequestError as exc:
+            payload = str(exc)  # a 4xx: not a router; worker_urls says so
+        listed = worker_urls(self.router, payload)
+        probes = await asyncio.gather(*(self.probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in listed))
+        healthy = [url for url, (ok, _) in zip(listed, probes, strict=True) if ok]
+        if not healthy:
+            lines = "; ".join(f"{url} ({detail})" for url, (_, detail) in zip(listed, probes, strict=True))
+            raise RolloutServerError(
+                f"no worker behind the router {self.router} answers GET /health here: {lines or 'none listed'}. "
+                "Weight updates go to the workers themselves (the router has no route for them): each must be "
+                "reachable from the trainer at the URL the router lists (start the router with worker URLs "
+                "that every trainer node can reach, not 127.0.0.1 of another machine)"
+            )
+        for url in sorted(set(listed) - set(healthy)):
+            log.warning("worker %s behind the router %s does not answer GET /health: left out of this weight "
+                        "update", url, self.router)  # fmt: skip
+        changed, self.urls = healthy != self.urls, healthy
+        self._slots[self.router] = asyncio.Semaphore(self.cfg.max_concurrency * len(healthy))
+        return changed
+
     async def wait_healthy(self, timeout_s: float | None = None, *, poll_s: float = 0.5) -> None:
         """Poll GET /health until every server answers 200; RolloutServerError after ``timeout_s``.
 
         ``timeout_s`` defaults to ``cfg.health_timeout_s``. The error names each server that never became
-        healthy with its last status or connection error.
+        healthy with its last status or connection error. Behind a router: until the router and at least one
+        of its workers answer (``refresh_workers``).
         """
         limit = self.cfg.health_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
         deadline = loop.time() + limit
+        if self.router is not None:
+            while True:
+                try:
+                    await self.refresh_workers()
+                    return
+                except RolloutServerError as exc:
+                    if loop.time() >= deadline:
+                        raise RolloutServerError(
+                            f"not healthy after {limit:g} s (rollout.sglang.health_timeout_s): {exc}"
+                        ) from exc
+                await asyncio.sleep(min(poll_s, max(deadline - loop.time(), 0.0)))
         pending = {url: "not probed" for url in self.urls}
         while True:
             remaining = deadline - loop.time()
@@ -590,8 +545,14 @@ class SGLangClient:
 
     # ---------------------------------------------------------------- transport
 
+    @property
+    def _targets(self) -> list[str]:
+        """Where /generate goes: the router, or the servers."""
+        return [self.router] if self.router else self.urls
+
     def _rotation(self, first: int) -> list[str]:
-        return [self.urls[(first + k) % len(self.urls)] for k in range(len(self.urls))]
+        targets = self._targets
+        return [targets[(first + k) % len(targets)] for k in range(len(targets))]
 
     def _backoff(self, retry: int) -> float:
         return min(self.cfg.backoff_s * 2 ** (retry - 1), _MAX_BACKOFF_S) * (0.5 + self._rng.random())

@@ -5,6 +5,7 @@ template's reference solution passes, wrong code and a missing code block do not
 import gzip
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,12 @@ def score(verify, row, completion):
     return verify(VerifierInput(prompt="", completion=completion, reference=row.tests, metadata=row.metadata))
 
 
+def graded(verify, pairs: list) -> list:
+    """Scores of (row, completion) pairs, two at a time (one per core), as the reward runner's threads call it."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda pair: score(verify, *pair), pairs))
+
+
 def one_problem_per_template() -> list:
     """The first problem of each template, from whichever split holds one (a one-problem template has one)."""
     rows = []
@@ -49,8 +56,7 @@ def one_problem_per_template() -> list:
 def test_every_templates_reference_solution_passes_in_the_sandbox_and_wrong_code_does_not(verify):
     rows = one_problem_per_template()
     assert len(rows) == len(FUNCTION_TEMPLATES)
-    for row in rows:
-        right = score(verify, row, fenced(row.metadata["solution"]))
+    for row, right in zip(rows, graded(verify, [(row, fenced(row.metadata["solution"])) for row in rows]), strict=True):
         assert right.correct and right.reward == 1.0, (row.metadata["key"], right.breakdown)
         assert right.breakdown["extracted"] is not None
     # A constant function: the tests cover at least two values, so it passes at most some of them.
@@ -143,5 +149,6 @@ def test_all_164_humaneval_canonical_solutions_pass_the_sandboxed_grader(backend
     raws = [json.loads(line) for line in gzip.open(path, "rt")]
     assert len(rows) == 164
     verify = build_verifier("code", backend=backend, require_code_block=True, wall_s=10.0, cpu_s=10.0)
-    failed = [row.id for row, raw in zip(rows, raws, strict=True) if not score(verify, row, canonical(raw)).correct]
+    scores = graded(verify, [(row, canonical(raw)) for row, raw in zip(rows, raws, strict=True)])
+    failed = [row.id for row, got in zip(rows, scores, strict=True) if not got.correct]
     assert not failed

@@ -131,6 +131,16 @@ def test_flatten_gives_dotted_keys():
             ["both set"],
         ),
         (["rollout.sglang.weight_sync.method=distributed"], ["rollout.engine=sglang", "weight_sync.method=disk"]),
+        (["rollout.engine=sglang", "rollout.sglang.router=a:1"], ["rollout.sglang.router", "http://"]),
+        (
+            ["rollout.engine=sglang", "rollout.sglang.router=http://r:1", "rollout.sglang.urls=[http://a:1]"],
+            ["router and rollout.sglang.urls are both set"],
+        ),
+        (
+            ["rollout.engine=sglang", "rollout.sglang.router=http://r:1", "rollout.sglang.launch.num_servers=1"],
+            ["rollout.sglang.router and rollout.sglang.launch.num_servers=1 are both set"],
+        ),
+        (["rollout.sglang.router=http://r:1"], ["rollout.engine=local does not use it"]),
         # issue 11: each of these used to load, then fail late (or never)
         (["rollout.temperature=nan"], ["rollout.temperature=nan", "finite", "rollout.temperature=1.0"]),
         (["rollout.temperature=inf"], ["rollout.temperature=inf", "finite"]),

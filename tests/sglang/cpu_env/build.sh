@@ -43,7 +43,8 @@ assert getattr(sgl_kernel, "STANDIN", False) and getattr(torchvision, "STANDIN",
 import sglang
 if sglang.__version__ != "$SGLANG_VERSION":
     sys.exit(f"sglang {sglang.__version__} in $VENV, expected $SGLANG_VERSION")
-for module in ("sglang.srt.entrypoints.http_server", "sglang.srt.models.qwen2", "sglang.launch_server"):
+for module in ("sglang.srt.entrypoints.http_server", "sglang.srt.models.qwen2", "sglang.launch_server",
+               "sglang_router.launch_router"):
     importlib.import_module(module)
 print(f"imports ok: torch {torch.__version__}, sglang {sglang.__version__}")
 EOF
