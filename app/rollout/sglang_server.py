@@ -25,7 +25,7 @@ about 15 GB and 49 s to allocate). GPU ids are then ignored.
 
 Not covered: multi-node servers (``--nnodes``), data parallelism inside one server (``--dp-size``; weight sync
 from distributed needs dp_size == 1, so run one server per replica, which is what ``num_servers`` does), and the
-router (start ``sglang_router.launch_router`` over the URLs yourself). Which servers start, and when, is chosen
+router (start ``sglang_router.launch_router`` over the servers yourself; ``rollout.sglang.router``). Which servers start, and when, is chosen
 in app/engines.py (`open_engine`); this module only knows how to start them.
 """
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from omegaconf import OmegaConf
 
 from app.rollout.base import RolloutEngine, SamplingParams, WeightSource
+from app.rollout.router import RouterWorkersError
 from app.rollout.sglang import (
     RolloutRequestError,
     RolloutResponseError,
@@ -564,3 +565,39 @@ def test_against_the_builtin_cpu_server(tmp_path: Path):
             assert g.finish_reason == e.finish_reason and g.policy_version == version
     assert [c.output_ids for c in before] != [c.output_ids for c in after]
     assert info["weight_version"] == "1"
+
+
+# ------------------------------------------------------------------ behind a router (rollout.sglang.router)
+
+
+def test_behind_a_router_updates_go_to_the_listed_workers_that_answer_and_none_answering_is_one_clear_error(
+    two, caplog
+):
+    """A stand-in for sglang-router's GET /workers (the real router: tests/sglang/test_router.py); the workers
+    are the fake SGLang servers, and one listed URL has nothing behind it."""
+    (url_a, _), (url_b, fake_b) = two
+    dead = free_port_url()
+    listed = {"workers": [{"id": "1", "url": url_a + "/"}, {"id": "2", "url": dead}, {"id": "3", "url": url_b}]}
+    app = FastAPI()
+    app.get("/workers")(lambda: listed)
+    router = ServerThread(app)
+    try:
+        async def refresh(client):
+            await client.wait_healthy()
+            return list(client.urls)
+
+        with caplog.at_level("WARNING"):
+            assert run(refresh, SGLangClientConfig(router=router.url, health_timeout_s=2.0)) == [url_a, url_b]
+        assert f"worker {dead} behind the router {router.url} does not answer GET /health" in caplog.text
+
+        listed["workers"] = [{"id": "2", "url": dead}]
+        with pytest.raises(RolloutServerError) as err:
+            run(lambda client: client.wait_healthy(0.5), SGLangClientConfig(router=router.url))
+        message = str(err.value)
+        assert f"no worker behind the router {router.url} answers GET /health here: {dead}" in message
+        assert "reachable from the trainer at the URL the router lists" in message
+    finally:
+        router.stop()
+    # A server that is not a router (no GET /workers): said at once, not waited on.
+    with pytest.raises(RouterWorkersError, match="is this an sglang-router"):
+        run(lambda client: client.wait_healthy(), SGLangClientConfig(router=url_b, health_timeout_s=600.0))
