@@ -180,7 +180,6 @@ class Fleet:
         """Versions that failed the check once and were published again."""
         self._sync: DistributedWeightSync | None = None
         self._sync_restarts = 0
-        self._sync_members: list[str] = []
         self.restarts = 0
         self.resubmits = 0
         self.busy = BusyMeter()
@@ -316,28 +315,38 @@ class Fleet:
         staleness bound drops what it generates before then)."""
         if source.path is not None:
             self.latest = (Path(source.path), int(version))
-        if isinstance(self.engine, SGLangClient) and self.engine.router is not None:
-            # Behind a router every version goes to each worker it lists that answers now (app/rollout/router.py).
-            await self._survive(self.engine.refresh_workers, "reading the router's workers")
         if self.weight_sync is not None and source.state_dict is not None:
-            await self._survive(lambda: self._broadcast(source.state_dict, version), "a weight broadcast")
+            await self._survive(lambda: self._to_workers(lambda: self._broadcast(source.state_dict, version)),
+                                "a weight broadcast")  # fmt: skip
         else:
-            await self._survive(lambda: self.engine.update_weights(source, version), "a weight update")
+            await self._survive(lambda: self._to_workers(lambda: self.engine.update_weights(source, version)),
+                                "a weight update")  # fmt: skip
+
+    async def _to_workers(self, call: Callable[[], Awaitable[R]]) -> R:
+        """``call()``; behind a router, first take as ``engine.urls`` the workers it lists that answer now
+        (app/rollout/router.py), so each attempt, a resubmission too, reaches the workers alive at that moment.
+        A changed membership ends the distributed group first, while ``urls`` still names its members."""
+        engine = self.engine
+        if isinstance(engine, SGLangClient) and engine.router is not None:
+            workers = await engine.healthy_workers()
+            if workers != engine.urls:
+                if self._sync is not None:
+                    with contextlib.suppress(Exception):  # a dead member cannot leave; its group dies with it
+                        await self._sync.close()
+                    self._sync = None
+                engine.urls = workers
+        return await call()
 
     async def _broadcast(self, state_dict: dict, version: int) -> None:
         assert isinstance(self.engine, SGLangClient) and self.weight_sync is not None
-        members = list(self.engine.urls)
-        if self._sync is not None and (
-            self._sync.broken or self._sync_restarts != self.restarts or self._sync_members != members
-        ):
-            # A restarted server left the group, a failed push leaves it unusable, and behind a router the
-            # workers may have changed: form a new one.
+        if self._sync is not None and (self._sync.broken or self._sync_restarts != self.restarts):
+            # A restarted server left the group, and a failed push leaves it unusable: form a new one.
             with contextlib.suppress(Exception):
                 await self._sync.close()
             self._sync = None
         if self._sync is None:
             self._sync = await DistributedWeightSync.connect(self.engine, self.weight_sync)
-            self._sync_restarts, self._sync_members = self.restarts, members
+            self._sync_restarts = self.restarts
         await self._sync.push(state_dict, version)
         self.engine.policy_version = int(version)
 
@@ -372,7 +381,11 @@ class Fleet:
             await self.engine.wait_healthy(limit_s)
         except RolloutServerError as exc:
             self._raise_if_fatal()
-            given = "" if self.servers else " (given by URL in rollout.sglang.urls, so the run cannot restart it)"
+            router = self.engine.router
+            given = "" if self.servers else (
+                f" (behind the router {router}, rollout.sglang.router, so the run cannot restart them)" if router
+                else " (given by URL in rollout.sglang.urls, so the run cannot restart it)"
+            )  # fmt: skip
             raise FleetDownError(
                 f"rollout server(s) down for {limit_s:g} s{given}: {exc}. The run stops here; its last "
                 f"complete checkpoint is intact (resume with `trustbatch train <config> resume=<run dir>`). "

@@ -46,8 +46,8 @@ app/rollout/weight_sync.py, which sends them through this client's ``post_once``
 Behind an sglang-router (``rollout.sglang.router``): ``/generate`` goes through the router, which spreads it over
 its workers; everything that must reach every worker (weight updates, the publication check's probe, health,
 ``/model_info``) goes to the workers themselves, because the router answers 404 to the weight-update routes
-and forwards ``/model_info`` to one worker only. ``refresh_workers`` reads them from the router's
-``GET /workers`` (app/rollout/router.py) and keeps those that answer ``/health``: the fleet calls it before
+and forwards ``/model_info`` to one worker only. ``healthy_workers`` reads them from the router's
+``GET /workers`` (app/rollout/router.py) and keeps those that answer ``/health``: the fleet takes them before
 every push, so a worker that died behind the router is left out and one that came back gets the next version
 (until then its completions carry its old ``weight_version``, and the staleness bound judges them by it).
 
@@ -119,11 +119,12 @@ class SGLangClient:
         self.cfg = cfg
         self.router = cfg.router.rstrip("/") or None
         self.urls = [url.rstrip("/") for url in cfg.urls]
-        """The servers every update, probe and health check goes to (behind a router: from refresh_workers)."""
+        """The servers every update, probe and health check goes to (behind a router: its workers, set by
+        ``wait_healthy`` at first and then by the fleet before each push, from ``healthy_workers``)."""
         self.policy_version = int(policy_version)
         self._labels: dict[str, int] = {}
         self._next_server = 0
-        self._slots = {url: asyncio.Semaphore(cfg.max_concurrency) for url in self.urls}
+        self._slots = {url: asyncio.Semaphore(cfg.max_concurrency) for url in self._targets}
         self._rng = random.Random()
         # + room for health/admin calls; behind a router the workers are not known yet (the slots bound requests).
         connections = None if self.router else len(self.urls) * (cfg.max_concurrency + 4)
@@ -380,17 +381,23 @@ class SGLangClient:
         probes = await asyncio.gather(*(self.probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in self.urls))
         return all(ok for ok, _ in probes)
 
-    async def refresh_workers(self) -> bool:
-        """Behind a router: the workers it lists (GET /workers) that answer GET /health become ``urls``; True
-        when that changed. RolloutServerError when the router does not answer or no worker is healthy."""
+    async def healthy_workers(self, timeout_s: float = _HEALTH_PROBE_TIMEOUT_S) -> list[str]:
+        """Behind a router: the workers it lists (GET /workers) that answer GET /health, sorted; each call within
+        about ``timeout_s``. RolloutServerError when the router does not answer or no worker does. Only the
+        fleet's push (one at a time) makes them ``urls``, so membership never changes under a weight update."""
         assert self.router is not None
         try:
-            _, payload = await self._call("GET", "/workers", None, what="GET /workers", servers=[self.router])
+            async with asyncio.timeout(timeout_s):
+                _, payload = await self._call(
+                    "GET", "/workers", None, what="GET /workers", servers=[self.router], max_retries=0
+                )
+        except TimeoutError as exc:
+            raise RolloutServerError(f"{self.router}: GET /workers got no answer in {timeout_s:g} s") from exc
         except RolloutRequestError as exc:
             payload = str(exc)  # a 4xx: not a router; worker_urls says so
         listed = worker_urls(self.router, payload)
-        probes = await asyncio.gather(*(self.probe(url, _HEALTH_PROBE_TIMEOUT_S) for url in listed))
-        healthy = [url for url, (ok, _) in zip(listed, probes, strict=True) if ok]
+        probes = await asyncio.gather(*(self.probe(url, timeout_s) for url in listed))
+        healthy = sorted(url for url, (ok, _) in zip(listed, probes, strict=True) if ok)
         if not healthy:
             lines = "; ".join(f"{url} ({detail})" for url, (_, detail) in zip(listed, probes, strict=True))
             raise RolloutServerError(
@@ -400,18 +407,16 @@ class SGLangClient:
                 "that every trainer node can reach, not 127.0.0.1 of another machine)"
             )
         for url in sorted(set(listed) - set(healthy)):
-            log.warning("worker %s behind the router %s does not answer GET /health: left out of this weight "
-                        "update", url, self.router)  # fmt: skip
-        changed, self.urls = healthy != self.urls, healthy
-        self._slots[self.router] = asyncio.Semaphore(self.cfg.max_concurrency * len(healthy))
-        return changed
+            log.warning("worker %s behind the router %s does not answer GET /health: it gets no weights until it "
+                        "does", url, self.router)  # fmt: skip
+        return healthy
 
     async def wait_healthy(self, timeout_s: float | None = None, *, poll_s: float = 0.5) -> None:
         """Poll GET /health until every server answers 200; RolloutServerError after ``timeout_s``.
 
         ``timeout_s`` defaults to ``cfg.health_timeout_s``. The error names each server that never became
         healthy with its last status or connection error. Behind a router: until the router and at least one
-        of its workers answer (``refresh_workers``).
+        of its workers answer (``healthy_workers``); the first time, those become ``urls``.
         """
         limit = self.cfg.health_timeout_s if timeout_s is None else timeout_s
         loop = asyncio.get_running_loop()
@@ -419,14 +424,18 @@ class SGLangClient:
         if self.router is not None:
             while True:
                 try:
-                    await self.refresh_workers()
-                    return
+                    healthy = await self.healthy_workers(max(min(_HEALTH_PROBE_TIMEOUT_S, deadline - loop.time()), 0.05))
                 except RolloutServerError as exc:
                     if loop.time() >= deadline:
                         raise RolloutServerError(
                             f"not healthy after {limit:g} s (rollout.sglang.health_timeout_s): {exc}"
                         ) from exc
-                await asyncio.sleep(min(poll_s, max(deadline - loop.time(), 0.0)))
+                    await asyncio.sleep(min(poll_s, max(deadline - loop.time(), 0.0)))
+                    continue
+                if not self.urls:  # the first time (connect): nothing is in flight yet
+                    self.urls = healthy
+                    self._slots[self.router] = asyncio.Semaphore(self.cfg.max_concurrency * len(healthy))
+                return
         pending = {url: "not probed" for url in self.urls}
         while True:
             remaining = deadline - loop.time()

@@ -191,7 +191,7 @@ class SGLangServerProcess(ServerProcess):
             gpus = cfg.gpu_ids[local * tp : (local + 1) * tp]
             if len(gpus) < tp:
                 raise SGLangLaunchError(
-                    f"SGLang server {local} of this machine needs GPUs {local * tp}..{(local + 1) * tp - 1} of "
+                    f"SGLang server {local} of this machine needs entries {local * tp}..{(local + 1) * tp - 1} of "
                     f"rollout.sglang.launch.gpu_ids={list(cfg.gpu_ids)}, which has {len(cfg.gpu_ids)}: list "
                     f"num_servers x tp_size = {cfg.num_servers * tp} GPUs for each trainer rank on a machine "
                     "(torchrun's --nproc_per_node of them)"

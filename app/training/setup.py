@@ -139,8 +139,10 @@ def check_same_config(cfg: Config) -> None:
     Each node starts its own ``torchrun`` with its own command line, files and environment (``${oc.env:...}``
     resolves per machine), and a difference is silent until ranks disagree on something collective: a batch
     size, a step count, a weight version. Ranks exchange the flat resolved config once, right after joining the
-    group (one collective that every rank reaches, so it cannot wait on a rank that is not there), and every rank
-    raises the same message naming the differing ranks, their hosts and node ranks, and the keys.
+    group (the first collective of the run), and every rank
+    raises the same message naming the differing ranks, their hosts and node ranks, and the keys. (A check that
+    fails on one node before the group forms, a data path missing there, stops that node only; the others wait
+    in torchrun's rendezvous or in joining the group until its timeout.)
     """
     here = (socket.gethostname(), os.environ.get("GROUP_RANK", "?"), flatten(cfg))
     every = gather_objects(here)

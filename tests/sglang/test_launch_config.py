@@ -99,7 +99,7 @@ def test_past_one_machine_gpus_and_ports_come_from_the_servers_place_on_its_own_
     by_ids = SGLangLaunchConfig(num_servers=1, gpu_ids=[6, 7])  # two ranks on each machine, one GPU each
     server = SGLangServerProcess(tmp_path, by_ids, index=3, node_index=1, log_path=tmp_path / "s.log")
     assert server.environment()["CUDA_VISIBLE_DEVICES"] == "7"
-    with pytest.raises(SGLangLaunchError, match=r"server 2 of this machine needs GPUs 2\.\.2 of .*gpu_ids=\[6, 7\]"):
+    with pytest.raises(SGLangLaunchError, match=r"server 2 of this machine needs entries 2\.\.2 of .*gpu_ids=\[6, 7\]"):
         SGLangServerProcess(tmp_path, by_ids, index=2, node_index=2, log_path=tmp_path / "s.log")
 
 

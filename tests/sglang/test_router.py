@@ -182,7 +182,7 @@ def test_training_through_the_router_survives_a_worker_killed_behind_it(fleet, t
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert all(row["weights/probe_gap"] < 1e-3 for row in rows)  # the worker left held every version
     assert max(row["rollout/policy_lag/max"] for row in rows) <= 1
-    assert f"worker {victim.url} behind the router {fleet.url} does not answer GET /health" in caplog.text
+    assert f"worker {victim.url} behind the router {fleet.url} does not answer GET /health: it gets no weights" in caplog.text
 
 
 async def _reset(fleet: Fleet, model_dir: Path) -> None:
