@@ -76,6 +76,11 @@ class SGLangLaunchConfig:
     torch_native --disable-cuda-graph --max-total-tokens (see max_total_tokens)."""
     max_total_tokens: int | None = None
     """KV-cache size in tokens (--max-total-tokens). None = SGLang's default on GPU, 4096 with cpu=true."""
+    sleep_on_idle: bool | None = None
+    """--sleep-on-idle: the scheduler waits for requests instead of polling for them. An idle SGLang 0.5.23 CPU
+    server otherwise holds one core at 100% (measured here), taking it from the trainer and every other
+    process on the machine; with the flag, about 1%. None: on with cpu=true, off on GPUs (where the polling
+    costs a CPU core, not the GPU, and waking adds latency)."""
     skip_tokenizer_init: bool = True
     """--skip-tokenizer-init: token ids in and out (all trustbatch sends); text requests are then refused.
     `trustbatch serve` turns it off: its clients send text."""
@@ -222,6 +227,8 @@ class SGLangServerProcess(ServerProcess):
                 "--weight-version", weight_version, "--dtype", cfg.dtype]  # fmt: skip
         if cfg.cpu:
             args += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+        if cfg.sleep_on_idle or (cfg.sleep_on_idle is None and cfg.cpu):
+            args.append("--sleep-on-idle")
         elif not cfg.gpu_ids:
             args += ["--base-gpu-id", str(cfg.base_gpu_id + self.node_index * cfg.tp_size)]
         if cfg.kv_tokens is not None:

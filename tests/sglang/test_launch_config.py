@@ -63,6 +63,7 @@ def test_cpu_command_and_environment(tmp_path, monkeypatch):
     text = " ".join(argv)
     for part in ("--port 31001", "--weight-version 4", "--device cpu", "--attention-backend torch_native",
                  "--disable-cuda-graph", "--max-total-tokens 4096", "--skip-tokenizer-init", "--random-seed 8",
+                 "--sleep-on-idle",
                  "--tp-size 1"):  # fmt: skip
         assert part in text
     assert argv[-2:] == ["--log-level", "warning"] and "--base-gpu-id" not in argv
@@ -76,7 +77,7 @@ def test_gpu_assignment(tmp_path):
     server = SGLangServerProcess(tmp_path, by_base, index=1, log_path=tmp_path / "s.log")
     argv = " ".join(server.command())
     assert "--base-gpu-id 6" in argv and "--tp-size 2" in argv and "--mem-fraction-static 0.5" in argv
-    assert "--device" not in argv and "--max-total-tokens" not in argv
+    assert "--device" not in argv and "--max-total-tokens" not in argv and "--sleep-on-idle" not in argv
     assert "SGLANG_USE_CPU_ENGINE" not in server.environment()
 
     by_ids = SGLangLaunchConfig(num_servers=2, tp_size=2, gpu_ids=[3, 1, 0, 2])

@@ -34,7 +34,7 @@ from app.rollout.base import SamplingParams, WeightSource
 from app.rollout.joint import reference_logprobs
 from app.rollout.probe import gap
 from app.rollout.sglang import SGLangClient, SGLangClientConfig, WeightSyncConfig
-from app.rollout.sglang_server import SGLangLaunchConfig, launch_servers
+from app.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess
 from app.rollout.weight_sync import DistributedWeightSync
 from app.training.loop import run
 from tests.integration.conftest import tiny_model_dir  # noqa: F401 - the bootstrapped tiny model fixture
@@ -70,7 +70,9 @@ def fleet(tmp_path_factory, tiny_model_dir):  # noqa: F811
     logs = tmp_path_factory.mktemp("router")
     launch = SGLangLaunchConfig(num_servers=2, python=str(SGLANG_PYTHON), cpu=True, dtype="float32", random_seed=0,
                                 startup_timeout_s=READY_S)  # fmt: skip
-    servers = launch_servers(launch, tiny_model_dir, logs, weight_version=0)
+    # The router starts first (it registers workers as they come up, retrying every few seconds), so its own
+    # start-up overlaps theirs.
+    servers = [SGLangServerProcess(tiny_model_dir, launch, index=i, log_path=logs / f"sglang-{i}.log") for i in (0, 1)]
     port, log = _free_port(), logs / "router.log"
     router = subprocess.Popen(
         [str(SGLANG_PYTHON), "-m", "sglang_router.launch_router", "--worker-urls", *[s.url for s in servers],
@@ -81,6 +83,10 @@ def fleet(tmp_path_factory, tiny_model_dir):  # noqa: F811
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
+        for server in servers:
+            server.start()
+        for server in servers:
+            server.wait_ready(READY_S)
         deadline = time.monotonic() + READY_S
         while True:  # /readiness: 200 once both workers are registered and healthy (/health is 200 before)
             assert router.poll() is None, f"the router exited ({router.returncode}):\n{log.read_text()[-3000:]}"
