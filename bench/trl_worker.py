@@ -68,6 +68,10 @@ def parse_args() -> argparse.Namespace:
         "--seconds", type=float, required=True, help="training wall time (checked after each step)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--bf16", action="store_true",
+        help="bf16=True: accelerate autocasts the model's forward (generation and training) to bfloat16",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--prompts-per-step", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (num_generations)")
@@ -256,8 +260,9 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
         adam_epsilon=1e-8,
         optim="adamw_torch",
         max_grad_norm=args.max_grad_norm,
-        # TRL defaults that trustbatch does not share: bf16 autocast and gradient (activation) checkpointing.
-        bf16=False,
+        # TRL defaults that trustbatch does not share: bf16 autocast (unless --bf16, to match trustbatch's
+        # trainer.compute_dtype=bfloat16) and gradient (activation) checkpointing.
+        bf16=args.bf16,
         fp16=False,
         activation_checkpointing=False,
         max_steps=10**7,  # the time limit decides
@@ -303,6 +308,8 @@ def main() -> int:
         "sequences_per_generate_call": sorted(set(trainer.generate_calls)),
         "completions_per_step": completions / max(trainer.state.global_step, 1),
         "torch_threads": threads_at_end,
+        "bf16_autocast": args.bf16,
+        "weights_dtype": str(next(trainer.model.parameters()).dtype),
         "activation_checkpointing": bool(trainer.model.is_activation_checkpointing),
         "reward_per_step": [row["reward"] for row in history],
         "mean_completion_length": [row.get("completions/mean_length") for row in history],

@@ -271,8 +271,9 @@ def train_trustbatch(
 
 
 def train_trl(
-    task: Task, cfg: Config, seed: int, seconds: float, threads: int, prompts: Path, model: Path, root: Path
-) -> dict:
+    task: Task, cfg: Config, seed: int, seconds: float, threads: int, bf16: bool, prompts: Path, model: Path,
+    root: Path,
+) -> dict:  # fmt: skip
     out = fresh_dir(root / f"trl-seed{seed}")
     start_model = out / "start-model"
     shutil.copytree(model, start_model)  # a fresh copy: nothing TRL does can touch the shared model
@@ -291,6 +292,7 @@ def train_trl(
         "--scale-by-std" if cfg.advantage.scale_by_std else "--no-scale-by-std",
         "--verifier", task.verifier, "--verifier-params", json.dumps(dict(params)),
         "--error-reward", str(cfg.rewards.error_reward), "--reward-workers", str(cfg.rewards.num_workers),
+        *(["--bf16"] if bf16 else []),
     ]  # fmt: skip
     run_logged(command, out / "worker.log")
     return json.loads((out / "result.json").read_text())
@@ -465,6 +467,16 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
     parser.add_argument(
+        "--trl-bf16", action="store_true",
+        help="TRL with bf16=True: accelerate autocasts its model's forward (generation and training) to bfloat16 "
+        "over float32 weights; pair it with --overrides rollout.dtype=bfloat16 trainer.compute_dtype=bfloat16",
+    )  # fmt: skip
+    parser.add_argument(
+        "--overrides", nargs="+", default=[], metavar="KEY=VALUE",
+        help="config overrides of the main trustbatch run (e.g. trainer.share_prompts=true)",
+    )  # fmt: skip
+    parser.add_argument("--name", default="", help="a suffix of the output files, so sittings do not overwrite")
+    parser.add_argument(
         "--also", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
         help="one more trustbatch run per seed with these overrides, scored beside the others "
         "(e.g. ppo_clip:objective.name=ppo_clip); repeatable",
@@ -474,6 +486,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--plot-only", action="store_true", help="redraw OUT/vs_trl.png from OUT/vs_trl.json")
     args = parser.parse_args()
     args.task = TASKS[args.task]
+    if any("=" not in o for o in args.overrides):
+        parser.error(f"--overrides {args.overrides}: expected KEY=VALUE items")
     also = []
     for spec in args.also:
         name, _, overrides = spec.partition(":")
@@ -510,9 +524,13 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
     models were sampled on the same prompts with the same seed)."""
     root, start, task = shared.root, shared.start, args.task
     print(f"seed {seed}: trustbatch, {args.seconds:g} s of training ...", flush=True)
-    results = {"trustbatch": train_trustbatch(task, seed, args.seconds, args.eval_prompts, root)}
+    results = {
+        "trustbatch": train_trustbatch(task, seed, args.seconds, args.eval_prompts, root, extra=tuple(args.overrides))
+    }
     print(f"seed {seed}: TRL GRPOTrainer, {args.seconds:g} s of training ...", flush=True)
-    results["trl"] = train_trl(task, cfg, seed, args.seconds, args.trl_threads, shared.prompts, shared.model, root)
+    results["trl"] = train_trl(
+        task, cfg, seed, args.seconds, args.trl_threads, args.trl_bf16, shared.prompts, shared.model, root
+    )
     for name, overrides in args.also:
         print(f"seed {seed}: trustbatch with {' '.join(overrides)} ({name}), {args.seconds:g} s of training ...", flush=True)
         results[name] = train_trustbatch(task, seed, args.seconds, args.eval_prompts, root, name, overrides)
@@ -540,7 +558,7 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
 def main() -> int:
     args = parse_args()
     task: Task = args.task
-    stem = "vs_trl" if task.name == "quickstart" else f"vs_trl-{task.name}"
+    stem = ("vs_trl" if task.name == "quickstart" else f"vs_trl-{task.name}") + (f"-{args.name}" if args.name else "")
     json_path, png_path = args.out / f"{stem}.json", args.out / f"{stem}.png"
     if args.plot_only:
         plot(json.loads(json_path.read_text()), png_path)
@@ -573,6 +591,8 @@ def main() -> int:
             "eval_samples": samples,
             "eval_seed": EVAL_SEED,
             "trl_threads": args.trl_threads,
+            "trl_bf16": args.trl_bf16,
+            "trustbatch_overrides": list(args.overrides),
             "also": {name: list(overrides) for name, overrides in args.also},
             "task": task.name,
             "config": str(task.config.relative_to(REPO)),
@@ -598,7 +618,8 @@ def plot(report: dict, path: Path) -> None:
     systems = ["trustbatch", "trl", *variants]
     threads = report["settings"]["trl_threads"]
     labels = [
-        "trustbatch", f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''})",
+        "trustbatch", f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''}"
+        f"{', bf16' if report['settings'].get('trl_bf16') else ''})",
         *(f"trustbatch\n{name}" for name in variants),
     ]  # fmt: skip
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:gray"]
