@@ -551,6 +551,20 @@ def convert_gguf(
     typer.echo(f"wrote {out}")
 
 
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []},
+    add_help_option=False,
+)
+def launch(ctx: typer.Context) -> None:
+    """torchrun for a trustbatch command: `trustbatch launch <torchrun flags> train CONFIG <overrides>`; a
+    rendezvous that fails ends with one message naming the node and the fix (docs/cluster.md)."""
+    from app.launch import main as launch_main
+
+    code = launch_main(list(ctx.args))
+    if code:
+        raise typer.Exit(code=code)
+
+
 @app.command("fetch-smollm2")
 def fetch_smollm2(
     cache_dir: Annotated[

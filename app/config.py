@@ -240,10 +240,19 @@ class RolloutConfig:
                 f"rollout.sglang.launch.num_servers={self.sglang.launch.num_servers} starts SGLang servers, but "
                 f"rollout.engine={self.engine}: set rollout.engine=sglang"
             )
-        if self.sglang.weight_sync.method == "distributed" and self.engine != "sglang":
+        if self.sglang.weight_sync.method == "distributed" and self.engine == "embedded":
             raise ValueError(
-                f"rollout.sglang.weight_sync.method=distributed needs SGLang servers (rollout.engine=sglang); "
-                f"rollout.engine={self.engine} loads weights from disk: set weight_sync.method=disk"
+                "rollout.sglang.weight_sync.method=distributed sends weights to rollout servers (rollout.engine="
+                "local or sglang); rollout.engine=embedded shares the trainer's memory: set weight_sync.method=disk"
+            )
+        if (
+            self.sglang.weight_sync.method == "distributed"
+            and self.engine == "local"
+            and self.sglang.weight_sync.backend == "nccl"
+        ):
+            raise ValueError(
+                "rollout.sglang.weight_sync.backend=nccl: the built-in CPU server (rollout.engine=local) receives "
+                "weights over gloo only: set weight_sync.backend=gloo (or auto)"
             )
         if self.engine != "sglang" and self.sglang.router:
             raise ValueError(

@@ -205,8 +205,9 @@ def _start(kind: EngineKind, model_dir: Path, options: EngineOptions, servers: l
         if options.wait:
             server.wait_ready()
         return replace(
-            client_cfg, urls=[server.url], health_timeout_s=min(client_cfg.health_timeout_s, LOCAL_HEALTH_TIMEOUT_S)
-        )
+            client_cfg, urls=[server.url], health_timeout_s=min(client_cfg.health_timeout_s, LOCAL_HEALTH_TIMEOUT_S),
+            weight_sync=replace(client_cfg.weight_sync, backend="gloo"),  # the built-in server's only backend
+        )  # fmt: skip
     launch = launch_settings(client_cfg.launch)
     log.info("rank %d: launching %d SGLang server(s) with %s (logs in %s)", options.rank, launch.num_servers,
              launch.python, log_dir)  # fmt: skip

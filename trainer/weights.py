@@ -23,9 +23,12 @@ reaches this module through app/rollout/joint.py):
 The group is gloo on CPU and NCCL between GPUs: NCCL broadcasts CUDA tensors only, so with ``backend="nccl"``
 each bucket is copied to ``device`` (the current CUDA device) before it is sent.
 
-Not covered: receiving (SGLang does it), data-parallel SGLang servers (SGLang asserts dp_size == 1 for this
+The receiving side is SGLang's; the built-in CPU server mirrors it (app/serving/weight_updates.py) with
+`join_process_group` and `unflatten_bucket`.
+
+Not covered: data-parallel SGLang servers (SGLang asserts dp_size == 1 for this
 path: run one server per replica instead), ``/update_weights_from_tensor`` (CUDA IPC, same node only; on CPU it
-killed the server, see shared/reference/sglang-cpu.md), and tensor-parallel resharding (each SGLang TP rank
+killed the server), and tensor-parallel resharding (each SGLang TP rank
 receives the full tensor and takes its own shard).
 """
 
@@ -90,6 +93,65 @@ def flatten_bucket(bucket: list[tuple[str, Tensor]]) -> Tensor:
     if not bucket:
         raise ValueError("cannot flatten an empty bucket")
     return torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket])
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} (expected a torch dtype name, e.g. 'float32')")
+    return dtype
+
+
+def bucket_sizes(dtypes: list[str], shapes: list[list[int]]) -> list[int]:
+    """The byte size of each tensor of a bucket, from the dtype names and shapes of its update request."""
+    if len(dtypes) != len(shapes):
+        raise ValueError(f"{len(dtypes)} dtypes for {len(shapes)} shapes")
+    return [
+        torch.Size(shape).numel() * torch.empty((), dtype=_torch_dtype(name)).element_size()
+        for name, shape in zip(dtypes, shapes, strict=True)
+    ]
+
+
+def unflatten_bucket(buffer: Tensor, dtypes: list[str], shapes: list[list[int]]) -> list[Tensor]:
+    """The inverse of `flatten_bucket`: the tensors of a received uint8 buffer, in order (views into it)."""
+    sizes = bucket_sizes(dtypes, shapes)
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() != sum(sizes):
+        raise ValueError(
+            f"a flattened bucket of {buffer.numel()} {buffer.dtype} elements cannot hold tensors of "
+            f"{sum(sizes)} bytes"
+        )
+    out, offset = [], 0
+    for name, shape, size in zip(dtypes, shapes, sizes, strict=True):
+        out.append(buffer[offset : offset + size].view(_torch_dtype(name)).reshape(shape))
+        offset += size
+    return out
+
+
+def join_process_group(
+    store: dist.Store, rank: int, world_size: int, group_name: str, backend: str, timeout: timedelta
+) -> dist.ProcessGroup:
+    """Join the weight-update group ``group_name`` as ``rank``; blocks until every rank has joined.
+
+    What ``sglang.srt.utils.common.init_custom_process_group`` does on SGLang's side, so both sides meet:
+    the store (a ``TCPStore`` hosted by rank 0) wrapped in ``PrefixStore(group_name, ...)``, then a process
+    group beside the default one (there need not be a default one). Rank 0 is the trainer
+    (`WeightUpdateGroup`); the built-in server joins with the same function (app/serving/weight_updates.py).
+    """
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    pg, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        backend_options=None,
+        timeout=timeout,
+        device_id=None,
+    )
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
 
 
 def state_dict_for_sync(
@@ -182,26 +244,12 @@ class WeightUpdateGroup:
 
     def connect(self) -> None:
         """Create the process group as rank 0; blocks until every rank has joined (or ``timeout_s``)."""
-        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
         with self._lock:
             if self.process_group is not None:
                 return
-            # What sglang.srt.utils.common.init_custom_process_group does on the servers' side.
-            store = PrefixStore(self.group_name, self._store)
-            pg, _ = _new_process_group_helper(
-                self.world_size,
-                0,
-                [],
-                Backend(self.backend),
-                store,
-                group_name=self.group_name,
-                backend_options=None,
-                timeout=self.timeout,
-                device_id=None,
+            self.process_group = join_process_group(
+                self._store, 0, self.world_size, self.group_name, self.backend, self.timeout
             )
-            _world.pg_group_ranks[pg] = {i: i for i in range(self.world_size)}
-            self.process_group = pg
 
     def broadcast_bucket(self, bucket: list[tuple[str, Tensor]], *, flattened: bool = True) -> None:
         """Send one bucket from rank 0, matching one /update_weights_from_distributed request's names.

@@ -195,20 +195,21 @@ class EmbeddedEngine:
                 )
         return completions
 
-    def update_weights_sync(self, source: WeightSource, version: int) -> None:
+    def update_weights_sync(self, source: WeightSource, version: int, *, complete: bool = True) -> None:
         """Load new weights into the existing model and set the policy version.
 
         Strict: every parameter must get a value of its shape and no unknown key may appear; the one thing
         allowed to be absent is the second name of a tied parameter (``lm_head.weight`` tied to the
-        embeddings, which ``save_pretrained`` leaves out). Everything is checked before anything is copied, so
-        a rejected update leaves the old weights and version in place.
+        embeddings, which ``save_pretrained`` leaves out). ``complete=False`` loads part of the model (one
+        bucket of a distributed update): then only unknown keys and wrong shapes are refused. Everything is
+        checked before anything is copied, so a rejected update leaves the old weights and version in place.
         """
         with self._lock, torch.no_grad():
             if source.state_dict is not None:
                 state, origin = source.state_dict, "state_dict"
             else:
                 state, origin = self._read_directory(Path(source.path)), str(source.path)
-            self._check_state_dict(state, origin)
+            self._check_state_dict(state, origin, complete=complete)
             self.model.load_state_dict(state, strict=False)
             self.policy_version = int(version)
 
@@ -412,11 +413,13 @@ class EmbeddedEngine:
             state.update(load_file(str(file), device=str(self._device)))
         return state
 
-    def _check_state_dict(self, state: dict[str, torch.Tensor], origin: str) -> None:
+    def _check_state_dict(self, state: dict[str, torch.Tensor], origin: str, *, complete: bool = True) -> None:
         expected = self.model.state_dict()
         named = dict(self.model.named_parameters(remove_duplicate=False))
         loaded = {id(named[k]) for k in state if k in named}
-        missing = [k for k in expected if k not in state and not (k in named and id(named[k]) in loaded)]
+        missing = [
+            k for k in expected if complete and k not in state and not (k in named and id(named[k]) in loaded)
+        ]
         unexpected = [k for k in state if k not in expected]
         wrong_shape = [
             f"{k}: {tuple(state[k].shape)} != {tuple(expected[k].shape)}"

@@ -21,6 +21,9 @@ Endpoints:
   batching counters under ``"trustbatch"``).
 - ``POST /update_weights_from_disk``, ``GET|POST /flush_cache``, ``POST /pause_generation``,
   ``POST /continue_generation``.
+- The distributed weight update (gloo): ``POST /init_weights_update_group``, ``/begin_weight_update``,
+  ``/update_weights_from_distributed``, ``/end_weight_update``, ``/destroy_weights_update_group``
+  (app/serving/weight_updates.py).
 - ``POST /abort_request`` (``{"rid": str, "abort_all": bool}``, an empty 200): the queued prompts of that
   ``rid`` (every queued prompt with ``abort_all``) are answered at once with ``finish_reason {"type":
   "abort"}``; a running batch finishes. An empty ``rid`` without ``abort_all``, or an ``rid`` no queued request
@@ -79,6 +82,7 @@ from app.serving.requests import (
     read_json,
 )
 from app.serving.scheduler import ReaderWriterLock, Scheduler, Stats
+from app.serving.weight_updates import WEIGHT_UPDATE_ROUTES, weight_version_of
 
 SERVER_VERSION = "trustbatch-local"
 MAX_SEQUENCES = 1 << 16
@@ -309,9 +313,28 @@ class NativeState:
     startup_time: float = field(default_factory=time.time)
     scheduler: Scheduler | None = None
     lock: ReaderWriterLock | None = None
+    weight_groups: dict[str, Any] = field(default_factory=dict)
+    """Weight-update process groups joined by name (app/serving/weight_updates.py)."""
+    update_session: bool = False
+    """Between /begin_weight_update and /end_weight_update."""
 
     def label(self, version: int) -> str:
         return self.labels.get(version, str(version))
+
+    async def load_weights(self, source: WeightSource, version: str | int | None, *, complete: bool = True) -> None:
+        """Load new weights as SGLang does: under the write lock, so requests in flight finish on the old weights
+        (at once while generation is paused); ``version`` labels them (None keeps the label). ``complete=False``
+        accepts part of the model (one bucket of a distributed update). Raises ValueError or OSError, leaving the
+        old weights in place."""
+        engine = self.model.engine
+        new_int = engine.policy_version
+        if version is not None:
+            text = str(version)
+            new_int = int(text) if text.lstrip("-").isdigit() else engine.policy_version + 1
+        async with contextlib.nullcontext() if self.scheduler.paused else self.lock.write():
+            await asyncio.to_thread(engine.update_weights_sync, source, new_int, complete=complete)
+            if version is not None:
+                self.labels[new_int] = self.weight_version = str(version)
 
 
 def _state(request: Request) -> NativeState:
@@ -471,6 +494,7 @@ async def server_info(request: Request) -> dict:
         "startup_time": state.startup_time,
         "version": SERVER_VERSION,
         "frontend": "python",
+        "tp_size": 1,  # the rank count a distributed weight update gives this server (one process)
         "trustbatch": {
             "generate_calls": stats.generate_calls,
             "requests": stats.requests,
@@ -497,12 +521,8 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
             or not body["model_path"]
         ):
             raise RequestError("the body needs model_path (str): an HF directory with *.safetensors weights")
-        version = body.get("weight_version")
-        if version is not None and (not isinstance(version, (str, int)) or isinstance(version, bool)):
-            raise RequestError(f"weight_version must be a string, got {describe(version)}")
-        unicode_text(body["model_path"], "model_path")  # both come back in /model_info and in every response
-        if isinstance(version, str):
-            unicode_text(version, "weight_version")
+        version = weight_version_of(body)
+        unicode_text(body["model_path"], "model_path")  # it comes back in /model_info
         if body.get("load_format") not in (None, "auto", "safetensors"):
             raise RequestError(
                 f"load_format {body['load_format']!r} is not supported; use 'auto' (safetensors)"
@@ -513,29 +533,14 @@ async def update_weights_from_disk(request: Request) -> JSONResponse:
     except RequestError as exc:
         return _update_failed(exc.message, exc.status)
 
-    async def apply() -> JSONResponse:
-        engine = state.model.engine
-        new_int = engine.policy_version
-        if version is not None:
-            text = str(version)
-            new_int = int(text) if text.lstrip("-").isdigit() else engine.policy_version + 1
-        try:
-            await asyncio.to_thread(engine.update_weights_sync, WeightSource(path=path), new_int)
-        except (ValueError, OSError) as exc:
-            return _update_failed(f"Failed to update weights: {exc}")
-        if version is not None:
-            state.labels[new_int] = state.weight_version = str(version)
-        state.model_path = state.served_model_name = str(path)
-        return JSONResponse(
-            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-        )
-
     if body.get("abort_all_requests"):
         state.scheduler.abort_queued()
-    if state.scheduler.paused:  # as SGLang: a paused engine updates at once, without the lock
-        return await apply()
-    async with state.lock.write():
-        return await apply()
+    try:
+        await state.load_weights(WeightSource(path=path), version)
+    except (ValueError, OSError) as exc:
+        return _update_failed(f"Failed to update weights: {exc}")
+    state.model_path = state.served_model_name = str(path)
+    return JSONResponse({"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0})
 
 
 async def flush_cache() -> PlainTextResponse:
@@ -641,6 +646,6 @@ def create_app(
     )
     app.add_exception_handler(ClientGone, client_gone)
     app.add_exception_handler(RequestError, _request_error)
-    for path, endpoint, methods in ROUTES:
+    for path, endpoint, methods in ROUTES + WEIGHT_UPDATE_ROUTES:
         app.add_api_route(path, endpoint, methods=methods)
     return app

@@ -289,7 +289,7 @@ def start_fleet(
         opened.servers,
         r.supervision,
         health_timeout_s=(opened.client or r.sglang).health_timeout_s,
-        weight_sync=r.sglang.weight_sync if opened.client is not None else None,
+        weight_sync=opened.client.weight_sync if opened.client is not None else None,
         weights_dir=cfg.run.path / "weights",
         tokenizer=tokenizer,
         is_main=dist.is_main,

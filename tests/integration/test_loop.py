@@ -155,6 +155,21 @@ def test_sync_loop_gives_the_same_weights_through_the_http_server_and_in_process
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_broadcast_into_the_cpu_rollout_server_trains_exactly_like_updates_from_disk(tmp_path, tiny_model_dir):
+    """weight_sync.method=distributed with the built-in server (every version broadcast over gloo into it,
+    app/serving/weight_updates.py) against the default disk method. With the lag forced to 2 a run is
+    deterministic, so both must sample and train alike; the publication check verifies each version on the way."""
+    common = ["run.steps=4", "eval.greedy=false", "rollout.max_lag=2", "rollout.exact_lag=true"]
+    disk = run(small_config(tmp_path / "disk", tiny_model_dir, *common))
+    gloo = run(small_config(tmp_path / "gloo", tiny_model_dir, *common, "rollout.sglang.weight_sync.method=distributed"))
+    assert lag_history(gloo) == lag_history(disk) == [0.0, 1.0, 2.0, 2.0]
+    assert gloo["final_accuracy"] == disk["final_accuracy"]
+    wa, wb = final_weights(gloo), final_weights(disk)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any((tmp_path / "disk" / "run" / "weights").glob("v*"))
+    assert not (tmp_path / "gloo" / "run" / "weights").exists()  # nothing went through the file system
+
+
 def lag_history(summary) -> list[float]:
     client = MlflowClient(tracking_uri=summary["tracking_uri"])
     lags = client.get_metric_history(summary["mlflow_run_id"], "rollout/policy_lag/max")

@@ -1,10 +1,10 @@
 """Two nodes on one machine: two `torchrun --nnodes=2` launches meet at a c10d rendezvous on 127.0.0.1.
 
-Each "node" is one torchrun with one trainer rank, which starts its own built-in rollout server and takes every
-policy version from disk (the run directory stands in for the shared filesystem). A few synchronous steps of
-`trustbatch train` give exactly the update of one node with two processes: the same two ranks do the same
-arithmetic, only the rendezvous differs. The distributed (gloo) weight sync needs SGLang servers:
-tests/sglang/test_multinode_sglang.py. Also here: nodes started with different configs stop with one message
+Each "node" is one torchrun with one trainer rank, which starts its own built-in rollout server and sends it
+every policy version from disk (the run directory stands in for the shared filesystem) or over a gloo group of
+the rank and its server (the distributed sync). A few synchronous steps of `trustbatch train` give exactly the
+update of one node with two processes, with either sync: the same two ranks do the same arithmetic, only the
+rendezvous differs. With real SGLang servers: tests/sglang/test_multinode_sglang.py. Also here: nodes started with different configs stop with one message
 naming the node and the keys, and a rendezvous that never completes ends after torchrun's join timeout.
 """
 
@@ -39,11 +39,19 @@ def train_args(tmp_path: Path, model_dir: Path, run_dir: Path, *extra: str) -> l
     overrides = small_overrides(tmp_path, model_dir, f"run.steps={STEPS}", "rollout.max_lag=0", "checkpoint.every=0",
                                 "eval.every=0", "eval.num_prompts=8", "eval.greedy=false",
                                 f"tracking.uri=sqlite:///{tmp_path / 'mlflow.db'}", *extra)  # fmt: skip
-    return ["-m", "app.cli", "train", str(REPO / "configs" / "quickstart.yaml"), *overrides, f"run.dir={run_dir}"]
+    return ["train", str(REPO / "configs" / "quickstart.yaml"), *overrides, f"run.dir={run_dir}"]
 
 
-def torchrun(*flags: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *flags]
+def torchrun(*flags_and_command: str) -> list[str]:
+    """Plain torchrun: its flags, then the trustbatch command (train ...) as `-m app.cli`."""
+    at = flags_and_command.index("train")
+    return [sys.executable, "-m", "torch.distributed.run", *flags_and_command[:at], "-m", "app.cli",
+            *flags_and_command[at:]]  # fmt: skip
+
+
+def launch(*flags_and_command: str) -> list[str]:
+    """`trustbatch launch`: the same flags and command (app/launch.py)."""
+    return [sys.executable, "-m", "app.cli", "launch", *flags_and_command]
 
 
 def torchrun_env() -> dict[str, str]:
@@ -51,11 +59,12 @@ def torchrun_env() -> dict[str, str]:
 
 
 def two_nodes(node_args: list[list[str]], join_timeout_s: int = 60) -> list[subprocess.CompletedProcess]:
-    """One torchrun per node (the argv after torchrun's flags), started together; their results in node order."""
+    """One `trustbatch launch` per node (the trustbatch command of each), started together; their results in
+    node order."""
     port = _free_port()
     procs = [
         subprocess.Popen(
-            torchrun("--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv_backend=c10d",
+            launch("--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--rdzv_backend=c10d",
                       f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes",
                       f"--rdzv_conf=join_timeout={join_timeout_s}", *args),  # fmt: skip
             env=torchrun_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -85,25 +94,28 @@ def _losses(run_dir: Path) -> list[dict[str, float]]:
     return [{k: row[k] for k in keys} for row in rows if "loss/total" in row]
 
 
-@pytest.fixture(scope="module")
-def two_layouts(tmp_path_factory, tiny_model_dir):
-    """The same run as 2 nodes x 1 rank and as 1 node x 2 ranks: their run directories."""
-    tmp = tmp_path_factory.mktemp("multinode")
+@pytest.fixture(scope="module", params=["disk", "distributed"])
+def two_layouts(request, tmp_path_factory, tiny_model_dir):
+    """The same run as 2 nodes x 1 rank and as 1 node x 2 ranks, with one weight sync: their run directories."""
+    tmp = tmp_path_factory.mktemp(f"multinode-{request.param}")
     two, one = tmp / "two-nodes", tmp / "one-node"
-    results = two_nodes([train_args(tmp, tiny_model_dir, two)] * 2)
+    sync = f"rollout.sglang.weight_sync.method={request.param}"
+    results = two_nodes([train_args(tmp, tiny_model_dir, two, sync)] * 2)
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node} failed ({result.returncode}):\n{result.stdout[-6000:]}"
     single = subprocess.run(
         torchrun("--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                  *train_args(tmp, tiny_model_dir, one)),  # fmt: skip
+                  *train_args(tmp, tiny_model_dir, one, sync)),  # fmt: skip
         env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
     )
     assert single.returncode == 0, f"one node failed ({single.returncode}):\n{single.stdout[-3000:]}{single.stderr[-6000:]}"
-    return two, one, results
+    return two, one, results, request.param
 
 
 def test_two_nodes_train_exactly_like_one_node_with_two_processes(two_layouts, tiny_model_dir):
-    two, one, results = two_layouts
+    two, one, results, method = two_layouts
+    # The sync asked for was used: from disk, each version is a directory the servers load; a broadcast writes none.
+    assert any((two / "weights").glob("v*")) == (method == "disk")
     # Both nodes took part: each rank started its own server and checked it against its own weights.
     assert {f"rollout-server-rank{r}.log" for r in (0, 1)} <= {p.name for p in two.iterdir()}
     text = "\n".join(r.stdout for r in results)
@@ -138,15 +150,25 @@ def test_nodes_started_with_different_configs_stop_with_one_message_naming_the_n
     assert not run_dir.exists()  # stopped before rank 0 created the run directory
 
 
-def test_a_rendezvous_that_never_completes_ends_after_the_join_timeout(tmp_path, tiny_model_dir):
-    """One node of two: torchrun gives up after --rdzv_conf=join_timeout (docs/cluster.md sets it) and never
-    starts trustbatch; without the flag it would wait 600 s."""
+@pytest.mark.parametrize("runner", [launch, torchrun], ids=["trustbatch-launch", "torchrun"])
+def test_a_rendezvous_that_never_completes_ends_after_the_join_timeout(tmp_path, tiny_model_dir, runner):
+    """One node of two gives up after --rdzv_conf=join_timeout (docs/cluster.md sets it) and never starts
+    trustbatch; without the flag it would wait 600 s. `trustbatch launch` ends with one message naming the node
+    and the fix; plain torchrun with its traceback."""
     port = _free_port()
     lonely = subprocess.run(
-        torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                  "--rdzv_id=lonely", "--rdzv_conf=join_timeout=5",
-                  *train_args(tmp_path, tiny_model_dir, tmp_path / "run")),  # fmt: skip
+        runner("--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+               "--rdzv_id=lonely", "--rdzv_conf=join_timeout=5",
+               *train_args(tmp_path, tiny_model_dir, tmp_path / "run")),  # fmt: skip
         env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
     )
     assert lonely.returncode != 0 and "RendezvousTimeoutError" in lonely.stderr, lonely.stderr[-3000:]
     assert not (tmp_path / "run").exists()
+    if runner is launch:
+        assert lonely.returncode == 2
+        [message] = [line for line in lonely.stderr.splitlines() if line.startswith("error: ")]
+        assert f"never met the other nodes at rendezvous '127.0.0.1:{port}'" in message
+        assert "node " in message and "--nnodes=2" in message and "id 'lonely'" in message
+        assert "Fix: start the same command on every one of the 2 node(s) within the join timeout (5 s" in lonely.stderr
+        assert f"check that 127.0.0.1:{port} is reachable" in lonely.stderr
+        assert "Traceback" not in lonely.stderr

@@ -39,7 +39,7 @@ from app.rollout.sglang import (
     connect,
 )
 
-# api_types.SamplingParams of SGLang 0.5.23 (reference/sglang-api.md); anything else is a 400 there.
+# api_types.SamplingParams of SGLang 0.5.23 (read in its source); anything else is a 400 there.
 SGLANG_SAMPLING_KEYS = {
     "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
     "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",

@@ -8,14 +8,14 @@ the logprobs: after the update, the engine's behaviour logprobs equal the traine
 new checkpoint (1e-4; 4.8e-7 measured), which a missing, misordered or mis-cast tensor would break. The
 distributed push is run with buckets small enough to need several requests, and with one bucket.
 
-In-flight requests (shared/reference/sglang-api.md, "Concurrency model"): an update sent while a long request
+In-flight requests (each update takes SGLang's writer lock, app/rollout/weight_sync.py): an update sent while a long request
 streams waits for it — the request ends normally with every token from the old version — for both update paths;
 with ``abort_all_requests: true`` the request ends early with finish_reason "abort" and the new version is served.
 Updates keep succeeding and labelling their version under continuous rollout traffic, and the client's answer
 to SGLang's "the cache was not flushed" (retract, flush, label, continue) works with a request running.
 
 Not covered: NCCL (tests/gpu/test_sglang_gpu.py), several servers in one group (one server here: each costs
-about 2 GB and 20 s to start), /update_weights_from_tensor (it kills the CPU server: sglang-cpu.md).
+about 2 GB and 20 s to start), /update_weights_from_tensor (CUDA IPC; it killed the CPU server when tried).
 """
 
 from __future__ import annotations

@@ -130,7 +130,14 @@ def test_flatten_gives_dotted_keys():
             ["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.launch.num_servers=1"],
             ["both set"],
         ),
-        (["rollout.sglang.weight_sync.method=distributed"], ["rollout.engine=sglang", "weight_sync.method=disk"]),
+        (
+            ["rollout.engine=embedded", "rollout.max_lag=0", "rollout.sglang.weight_sync.method=distributed"],
+            ["rollout.engine=embedded", "weight_sync.method=disk"],
+        ),
+        (
+            ["rollout.sglang.weight_sync.method=distributed", "rollout.sglang.weight_sync.backend=nccl"],
+            ["weight_sync.backend=nccl", "built-in CPU server", "gloo"],
+        ),
         (["rollout.engine=sglang", "rollout.sglang.router=a:1"], ["rollout.sglang.router", "http://"]),
         (
             ["rollout.engine=sglang", "rollout.sglang.router=http://r:1", "rollout.sglang.urls=[http://a:1]"],

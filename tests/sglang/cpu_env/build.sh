@@ -4,7 +4,7 @@
 #
 #   bash tests/sglang/cpu_env/build.sh        (or: make sglang-env)
 #
-# Recipe (shared/reference/sglang-cpu.md): a venv; torch==2.13.0 first (the local CPU build); sglang==0.5.23
+# Recipe: a venv; torch==2.13.0 first (the local CPU build); sglang==0.5.23
 # with --no-deps (its declared requirements pin torch==2.14.1 with CUDA and CUDA kernels); the packages it
 # imports on the CPU path (requirements.txt) pinned by constraints.txt (torch==2.13.0 among them, so pip fails
 # rather than replace it); then shims/ (stand-ins for sgl_kernel and torchvision) on the venv's sys.path via a
