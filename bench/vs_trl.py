@@ -617,8 +617,10 @@ def plot(report: dict, path: Path) -> None:
     variants = list(report["settings"].get("also", {}))
     systems = ["trustbatch", "trl", *variants]
     threads = report["settings"]["trl_threads"]
+    changed = [o.split("=", 1) for o in report["settings"].get("trustbatch_overrides", [])]
+    mine = "trustbatch" + "".join(f"\n{key.rsplit('.', 1)[-1]}={value}" for key, value in changed)
     labels = [
-        "trustbatch", f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''}"
+        mine, f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''}"
         f"{', bf16' if report['settings'].get('trl_bf16') else ''})",
         *(f"trustbatch\n{name}" for name in variants),
     ]  # fmt: skip

@@ -61,7 +61,8 @@ from app.rollout.sglang import (
 
 __all__ = [
     "DistributedWeightSync", "PushStats", "WeightSyncConfig", "WeightSyncError", "destroy_weights_update_group",
-    "init_weights_update_group", "tp_sizes", "update_weights_from_distributed", "weight_update_session",
+    "in_daemon_thread", "init_weights_update_group", "tp_sizes", "update_weights_from_distributed",
+    "weight_update_session",
 ]  # fmt: skip
 
 
@@ -108,7 +109,7 @@ class DistributedWeightSync:
             master_port=cfg.master_port,
             timeout_s=cfg.timeout_s,
         )
-        joined = _in_daemon_thread(group.connect)
+        joined = in_daemon_thread(group.connect)
         try:
             await init_weights_update_group(
                 client,
@@ -172,7 +173,7 @@ class DistributedWeightSync:
     async def _together(self, request: Any, send: Callable[[], None], *, what: str) -> None:
         """Run an HTTP request and its broadcasts concurrently; either failing marks the group broken."""
         http = asyncio.ensure_future(request)
-        broadcast = _in_daemon_thread(send)
+        broadcast = in_daemon_thread(send)
         done, _ = await asyncio.wait({http, broadcast}, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
             if task.exception() is not None:
@@ -341,9 +342,10 @@ async def _on_every_server(client: SGLangClient, path: str, body: dict, what: st
     await asyncio.gather(*(client.post_once(url, path, body, what=what) for url in client.urls))
 
 
-def _in_daemon_thread(fn: Callable[[], None]) -> asyncio.Future:
-    """Run a blocking call (a collective) in a daemon thread: a stuck collective must not block interpreter exit,
-    which an executor thread (asyncio.to_thread) would."""
+def in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
+    """Run a blocking call (a collective) in a daemon thread; the future gets its result or its exception. A stuck
+    collective must not block interpreter exit, which an executor thread (asyncio.to_thread) would. The built-in
+    server's receiving side uses it too (app/serving/weight_updates.py)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future = loop.create_future()
 

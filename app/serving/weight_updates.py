@@ -26,9 +26,7 @@ unusable: its name is dropped, and the trainer side (`DistributedWeightSync`) re
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import threading
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -39,6 +37,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from app.rollout.base import WeightSource
+from app.rollout.weight_sync import in_daemon_thread
 from app.sampling import RequestError, describe, is_int, unicode_text
 from app.serving.requests import printable, read_json
 from trainer.weights import bucket_sizes, join_process_group, unflatten_bucket
@@ -81,28 +80,6 @@ def _group_name(body: dict) -> str:
     return _field(body, "group_name", lambda v: isinstance(v, str) and 0 < len(v) <= 256, "a non-empty string")
 
 
-def _in_daemon_thread(fn: Callable[[], Any]) -> asyncio.Future:
-    """Run a blocking collective in a daemon thread: one waiting for a trainer that never comes must not keep
-    the server from exiting (an executor thread would)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def run() -> None:
-        try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=run, name="weight-update", daemon=True).start()
-    return future
-
-
 async def init_weights_update_group(request: Request) -> JSONResponse:
     state = request.app.state.native
     try:
@@ -132,7 +109,7 @@ async def init_weights_update_group(request: Request) -> JSONResponse:
 
     state.weight_groups[name] = None  # reserved while joining: a second request with this name is refused
     try:
-        state.weight_groups[name] = await _in_daemon_thread(join)
+        state.weight_groups[name] = await in_daemon_thread(join)
     except Exception as exc:  # noqa: BLE001 - the trainer never came, or its address is wrong: say so
         state.weight_groups.pop(name, None)
         return _answer(False, f"Failed to init group {name!r} at {address}:{port} as rank {rank}: {exc}")
@@ -203,7 +180,7 @@ async def update_weights_from_distributed(request: Request) -> JSONResponse:
         return tensors
 
     try:
-        tensors = await _in_daemon_thread(receive)
+        tensors = await in_daemon_thread(receive)
     except Exception as exc:  # noqa: BLE001 - the group cannot be trusted after a failed collective
         state.weight_groups.pop(name, None)
         with contextlib.suppress(Exception):

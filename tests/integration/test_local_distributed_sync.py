@@ -14,15 +14,13 @@ import asyncio
 
 import httpx
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from app.rollout.base import SamplingParams
 from app.rollout.joint import WeightUpdateGroup, gather_weights
 from app.rollout.process import LocalServerProcess
 from app.rollout.sglang import RolloutRequestError, SGLangClient, SGLangClientConfig
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, init_weights_update_group
-from trainer.logprobs import token_logprobs
+from tests.sglang.conftest import load_model, worst_logprob_gap  # the same checks as against real SGLang
 
 PROMPTS = [[10, 20, 30], [40, 50], [60, 70, 80, 90]]
 SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=5)
@@ -49,24 +47,9 @@ def run(url: str, coro_fn):
     return asyncio.run(main())
 
 
-def load(path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def worst_gap(completions, model) -> float:
-    """The largest |server logprob − trainer logprob| over every sampled token."""
-    worst = 0.0
-    for c in completions:
-        ids = torch.tensor([c.prompt_ids + c.output_ids])
-        with torch.no_grad():
-            logprobs, _ = token_logprobs(model, ids, torch.ones_like(ids), temperature=1.0)
-        worst = max(worst, (logprobs[0, len(c.prompt_ids) :] - torch.tensor(c.output_logprobs)).abs().max().item())
-    return worst
-
-
 @pytest.mark.parametrize("bucket_mb", [0.005, 1024.0], ids=["several-buckets", "one-bucket"])
 def test_a_gloo_push_reaches_the_built_in_server(server, model_dirs, bucket_mb):
-    new, old = load(model_dirs[1]), load(model_dirs[0])
+    new, old = load_model(model_dirs[1]), load_model(model_dirs[0])
     cfg = WeightSyncConfig(method="distributed", backend="gloo", bucket_mb=bucket_mb, timeout_s=60)
 
     async def go(client):
@@ -89,15 +72,15 @@ def test_a_gloo_push_reaches_the_built_in_server(server, model_dirs, bucket_mb):
     assert {c.policy_version for c in after} == {7} and info["weight_version"] == "7"
     assert {c.policy_version for c in back} == {8}
     # The server decodes with a KV cache, the trainer recomputes in one pass: equal to float32 rounding.
-    assert worst_gap(after, new) < 1e-4 and worst_gap(back, old) < 1e-4
-    assert worst_gap(after, old) > 1e-2  # the check tells the two models apart
+    assert worst_logprob_gap(after, new) < 1e-4 and worst_logprob_gap(back, old) < 1e-4
+    assert worst_logprob_gap(after, old) > 1e-2  # the check tells the two models apart
 
 
 def test_bad_weight_update_requests_are_refused_before_anything_is_received(server, model_dirs):
     """Each answers 400 with success false and a message naming the problem, at once; the server then still
     takes a good push."""
     name = "checks"
-    model = load(model_dirs[1])
+    model = load_model(model_dirs[1])
     weight, tensor = next(iter(model.state_dict().items()))
 
     def post(path: str, body: dict) -> dict:
