@@ -34,6 +34,10 @@ def test_two_async_ess_steps_with_sandboxed_code_rewards_train_and_register_a_ch
         "rollout.prompts_per_step=2",
         "rollout.group_size=4",
         "rollout.max_new_tokens=64",  # the base model opens its code block within its first 40 tokens
+        # The settings of bench/README.md's TRL sitting on this task: bf16 on both sides, shared prompts.
+        "rollout.dtype=bfloat16",
+        "trainer.compute_dtype=bfloat16",
+        "trainer.share_prompts=true",
         "eval.num_prompts=2",
         "eval.samples_per_prompt=1",
         "eval.greedy=false",

@@ -138,7 +138,7 @@ def test_smollm2_sft_then_rl_from_its_output(smollm2_dir, tmp_path):
         f"model.path={summary['model_ref']}", f"run.dir={tmp_path / 'rl'}", f"tracking.uri={uri}", "run.steps=2",
         "run.time_limit_s=0", "data.num_train=8", "data.num_eval=2", "rollout.prompts_per_step=2",
         "rollout.group_size=4", "trainer.micro_batch_size=8", "eval.num_prompts=2", "eval.samples_per_prompt=1",
-        "checkpoint.every=2",
+        "checkpoint.every=2", "rollout.max_new_tokens=32", "tracking.log_model=false",
     ])  # fmt: skip
     assert rl.objective.name == "ess"
     rl_summary = run(rl)
