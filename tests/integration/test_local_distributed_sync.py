@@ -20,7 +20,11 @@ from app.rollout.joint import WeightUpdateGroup, gather_weights
 from app.rollout.process import LocalServerProcess
 from app.rollout.sglang import RolloutRequestError, SGLangClient, SGLangClientConfig
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, init_weights_update_group
-from tests.sglang.conftest import load_model, worst_logprob_gap  # the same checks as against real SGLang
+from tests.sglang.conftest import (  # the same sequence and checks as against real SGLang
+    load_model,
+    push_new_then_old,
+    worst_logprob_gap,
+)
 
 PROMPTS = [[10, 20, 30], [40, 50], [60, 70, 80, 90]]
 SAMPLED = SamplingParams(max_new_tokens=8, temperature=1.0, n=2, seed=5)
@@ -52,18 +56,8 @@ def test_a_gloo_push_reaches_the_built_in_server(server, model_dirs, bucket_mb):
     new, old = load_model(model_dirs[1]), load_model(model_dirs[0])
     cfg = WeightSyncConfig(method="distributed", backend="gloo", bucket_mb=bucket_mb, timeout_s=60)
 
-    async def go(client):
-        before = await client.generate(PROMPTS, SAMPLED)  # model a: version 0, or 8 after the other case
-        sync = await DistributedWeightSync.connect(client, cfg)
-        try:
-            stats = await sync.push(gather_weights(new), version=7)
-            after = await client.generate(PROMPTS, SAMPLED)
-            info = await client.model_info()
-            await sync.push(gather_weights(old), version=8)  # one group serves every push
-            back = await client.generate(PROMPTS, SAMPLED)
-        finally:
-            await sync.close()
-        return before, after, back, stats, info
+    async def go(client):  # model a at the start: version 0, or 8 after the other case
+        return await push_new_then_old(client, new, old, cfg, PROMPTS, SAMPLED)
 
     before, after, back, stats, info = run(server.url, go)
     assert (stats.buckets > 1) == (bucket_mb < 1)

@@ -144,3 +144,23 @@ def worst_logprob_gap(completions, model) -> float:
         gap = (logprobs[0, len(completion.prompt_ids) :] - torch.tensor(completion.output_logprobs)).abs().max()
         worst = max(worst, gap.item())
     return worst
+
+
+async def push_new_then_old(client, new_model, old_model, cfg, prompts, params):
+    """Sample, connect a `DistributedWeightSync`, push ``new_model`` as version 7 and sample, push ``old_model``
+    as version 8 over the same group and sample. Returns (before, after, back, stats of the first push,
+    /model_info after it). Shared by the real-SGLang and the built-in-server distributed tests."""
+    from app.rollout.joint import gather_weights
+    from app.rollout.weight_sync import DistributedWeightSync
+
+    before = await client.generate(prompts, params)
+    sync = await DistributedWeightSync.connect(client, cfg)
+    try:
+        stats = await sync.push(gather_weights(new_model), version=7)
+        after = await client.generate(prompts, params)
+        info = await client.model_info()
+        await sync.push(gather_weights(old_model), version=8)  # the same group serves every push
+        back = await client.generate(prompts, params)
+    finally:
+        await sync.close()
+    return before, after, back, stats, info

@@ -30,7 +30,7 @@ import pytest
 from app.rollout.base import SamplingParams, WeightSource
 from app.rollout.joint import gather_weights
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig, init_weights_update_group
-from tests.sglang.conftest import load_model, run_with_client, worst_logprob_gap
+from tests.sglang.conftest import load_model, push_new_then_old, run_with_client, worst_logprob_gap
 
 pytestmark = pytest.mark.sglang
 
@@ -67,17 +67,7 @@ def test_update_from_distributed_gloo_changes_outputs_and_version(server, models
     cfg = WeightSyncConfig(method="distributed", backend="gloo", bucket_mb=bucket_mb, timeout_s=120)
 
     async def go(client):
-        before = await client.generate(PROMPTS, SAMPLED)
-        sync = await DistributedWeightSync.connect(client, cfg)
-        try:
-            stats = await sync.push(gather_weights(new_model), version=7)
-            sampled_new = await client.generate(PROMPTS, SAMPLED)
-            info = await client.model_info()
-            await sync.push(gather_weights(old_model), version=8)  # the same group serves every push
-            sampled_old = await client.generate(PROMPTS, SAMPLED)
-        finally:
-            await sync.close()
-        return before, sampled_new, sampled_old, stats, info
+        return await push_new_then_old(client, new_model, old_model, cfg, PROMPTS, SAMPLED)
 
     before, sampled_new, sampled_old, stats, info = run_with_client(server.url, go)
     assert (stats.buckets > 1) == (bucket_mb < 1)
