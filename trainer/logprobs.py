@@ -20,11 +20,19 @@ so the float32 copy of the logits never exists for the whole sequence at once. W
 chunk runs under activation checkpointing: autograd keeps only the model's logits (which the model produced
 anyway) and recomputes the chunk's softmax in the backward pass, instead of holding one float32 [B, L, V]
 softmax (plus one for the entropy) per sequence.
+
+Only the logits that are read. Given a ``loss_mask`` (the tokens a loss reads), the output head and the
+log-softmax run only from the batch's first position that predicts such a token (HF's ``logits_to_keep``, which
+keeps the last N positions): a prompt's logits are never computed. On SmolLM2 the 49k-token head is a fifth of a
+forward's FLOPs and a prompt is about half of a sequence. Positions before that one get 0, which the loss never
+reads. A model whose ``forward`` takes no ``logits_to_keep`` computes every position, as before.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -38,6 +46,27 @@ MAX_SHARED_MASK_ENTRIES = 1 << 26
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Position of each token among the attended tokens of its row: 0, 1, 2, ... (pads get 0)."""
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+
+
+@cache
+def _takes_logits_to_keep(forward_type: type) -> bool:
+    return "logits_to_keep" in inspect.signature(forward_type.forward).parameters
+
+
+def _model_logits(model: torch.nn.Module, keep: int, **inputs: Tensor) -> Tensor:
+    """``model(**inputs).logits`` of the last ``keep`` positions (all of them when ``keep`` is the length, or
+    the model's forward takes no ``logits_to_keep``: then the leading positions are sliced off here)."""
+    length = inputs["input_ids"].shape[1]
+    if keep < length and _takes_logits_to_keep(type(model)):
+        return model(**inputs, logits_to_keep=keep).logits
+    return model(**inputs).logits[:, length - keep :]
+
+
+def _first_predictor(loss_mask: Tensor | None, length: int) -> int:
+    """The first column whose logits predict a ``loss_mask`` token (0 without a mask, or when none is set)."""
+    if loss_mask is None or not loss_mask[:, 1:].any():
+        return 0
+    return int(loss_mask[:, 1:].any(0).nonzero()[0])
 
 
 def _chunk_logprobs(logits: Tensor, targets: Tensor, temperature: float, with_entropy: bool):
@@ -79,37 +108,40 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
+    loss_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token logprobs [B, L] (float32) and, if ``with_entropy``, entropies [B, L] of any HF causal LM.
 
     ``input_ids`` and ``attention_mask`` are [B, L]; padding may be on either side. See the module docstring
     for the index convention (index ``t`` is the logprob of token ``t``; index 0 is 0). Gradients flow to the
-    model through the logprobs and the entropy.
+    model through the logprobs and the entropy. With a ``loss_mask`` [B, L], columns before the first one that
+    any row's mask sets are 0 (their logits are not computed); every column from there on is as without it.
     """
     if input_ids.dim() != 2 or input_ids.shape != attention_mask.shape:
         raise ValueError(
             f"input_ids and attention_mask must both be [B, L]; got {tuple(input_ids.shape)} and "
             f"{tuple(attention_mask.shape)}"
         )
+    if loss_mask is not None and loss_mask.shape != input_ids.shape:
+        raise ValueError(f"loss_mask must be [B, L] like input_ids; got {tuple(loss_mask.shape)}")
     _check_sampling_args(temperature, chunk_size)
 
-    position_ids = position_ids_from_mask(attention_mask)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-    ).logits  # [B, L, V]; logits[:, t] predicts input_ids[:, t + 1]
-
     batch, length = input_ids.shape
-    predicting, predicted = logits[:, :-1], input_ids[:, 1:]  # logits[:, t] predicts input_ids[:, t + 1]
+    first = _first_predictor(loss_mask, length)
+    position_ids = position_ids_from_mask(attention_mask)
+    logits = _model_logits(
+        model, length - first, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    )  # [B, L - first, V]; logits[:, t] predicts input_ids[:, first + t + 1]
+
+    predicting, predicted = logits[:, :-1], input_ids[:, first + 1 :]
     pieces = (
         (predicting[:, start : start + chunk_size], predicted[:, start : start + chunk_size])
-        for start in range(0, length - 1, chunk_size)
+        for start in range(0, length - first - 1, chunk_size)
     )
     use_checkpoint = torch.is_grad_enabled() and logits.requires_grad
     logp_chunks, entropy_chunks = _chunked_logprobs(pieces, temperature, with_entropy, use_checkpoint)
 
-    zeros = logits.new_zeros((batch, 1), dtype=torch.float32)
+    zeros = logits.new_zeros((batch, first + 1), dtype=torch.float32)
     attended = attention_mask.bool() & (position_ids > 0)
     logprobs = torch.cat([zeros, *logp_chunks], dim=1)
     logprobs = torch.where(attended, logprobs, torch.zeros_like(logprobs))
@@ -236,12 +268,15 @@ def shared_prefix_token_logprobs(
     # adds the mask to its scores, so it gets the additive float form.
     mask = plan.allowed if attn != "eager" else torch.zeros(plan.allowed.shape).masked_fill_(
         ~plan.allowed, torch.finfo(torch.float32).min)  # fmt: skip
-    logits = model(
+    first = int(plan.predictor.min())  # the head runs from the first column that predicts a suffix token
+    logits = _model_logits(
+        model,
+        plan.input_ids.shape[1] - first,
         input_ids=plan.input_ids.to(device),
         attention_mask=mask[:, None].to(device),
         position_ids=plan.position_ids.to(device),
-    ).logits  # [G, L', V]
-    group, predictor = plan.group.to(device), plan.predictor.to(device)
+    )  # [G, L' - first, V]
+    group, predictor = plan.group.to(device), (plan.predictor - first).to(device)
     targets = input_ids[plan.row.to(device), plan.col.to(device)]
     pieces = (
         (logits[group[start : start + chunk_size], predictor[start : start + chunk_size]][None],

@@ -153,7 +153,7 @@ def masked_nll_sum(model: torch.nn.Module, mb: MicroBatch, compute_dtype: str = 
     """−Σ log π(target token) over the micro-batch's target positions (float32; the forward computes in
     ``compute_dtype``, trainer/precision.py)."""
     with compute(model, compute_dtype):
-        logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask)
+        logprobs, _ = token_logprobs(model, mb.input_ids, mb.attention_mask, loss_mask=mb.loss_mask)
     return -(logprobs * mb.loss_mask).sum()
 
 

@@ -296,8 +296,9 @@ class PolicyForward:
             )  # fmt: skip
         else:
             logprobs, entropy = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, temperature=self.temperature, with_entropy=True
-            )
+                self.model, mb.input_ids, mb.attention_mask, temperature=self.temperature, with_entropy=True,
+                loss_mask=mb.mask,
+            )  # fmt: skip
         assert entropy is not None
         return logprobs, entropy
 

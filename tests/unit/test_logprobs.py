@@ -215,3 +215,70 @@ def test_shared_prefix_with_nothing_trained_still_runs_the_model(model):
     ids, mask, loss_mask, _, _ = _grouped_batch()
     logprobs, _ = shared_prefix_token_logprobs(model, ids, mask, torch.zeros_like(loss_mask))
     assert logprobs.requires_grad  # the forward ran (FSDP2 ranks must all run it), values unused
+
+
+# --- only the logits that are read: the head skips what precedes the first trained token --------------------
+
+
+def _head_positions(model) -> list[int]:
+    """Record how many positions each forward sends through the output head (a hook, not a replacement)."""
+    seen: list[int] = []
+    model.get_output_embeddings().register_forward_hook(lambda _m, args, _out: seen.append(args[0].shape[-2]))
+    return seen
+
+
+class _NoLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward takes no `logits_to_keep` (older or custom models)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, attention_mask, position_ids):
+        return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["logits_to_keep", "no_logits_to_keep"])
+def test_loss_mask_skips_the_head_before_the_first_trained_token(wrapped):
+    ids, mask, loss_mask, prompts, _ = _grouped_batch()
+    first = min(len(p) for p in prompts) - 1  # the shortest prompt's last token predicts the first trained one
+    results = []
+    for given in (None, loss_mask):
+        base = random_qwen2(0, vocab_size=VOCAB)
+        seen = _head_positions(base)
+        model = _NoLogitsToKeep(base) if wrapped else base
+        logprobs, entropy = token_logprobs(model, ids, mask, with_entropy=True, loss_mask=given)
+        weights = torch.linspace(-1, 1, ids.numel()).reshape(ids.shape)
+        (logprobs * weights + 0.1 * entropy)[loss_mask].sum().backward()
+        grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+        results.append((logprobs.detach(), entropy.detach(), grads, seen))
+    (plain, plain_entropy, plain_grads, plain_seen), (kept, kept_entropy, kept_grads, kept_seen) = results
+    assert plain_seen == [ids.shape[1]]
+    assert kept_seen == [ids.shape[1] if wrapped else ids.shape[1] - first]
+    torch.testing.assert_close(kept[:, first + 1 :], plain[:, first + 1 :], atol=1e-5, rtol=0)
+    torch.testing.assert_close(kept_entropy[:, first + 1 :], plain_entropy[:, first + 1 :], atol=1e-5, rtol=0)
+    assert torch.all(kept[:, : first + 1] == 0) and torch.all(kept_entropy[:, : first + 1] == 0)
+    assert loss_mask[:, : first + 1].sum() == 0 and loss_mask[:, first + 1].any()
+    for key in plain_grads:
+        torch.testing.assert_close(kept_grads[key], plain_grads[key], atol=1e-5, rtol=1e-4, msg=key)
+
+
+def test_shared_prefix_runs_the_head_from_the_first_predictor_only():
+    ids, mask, loss_mask, prompts, _ = _grouped_batch()
+    model = random_qwen2(0, vocab_size=VOCAB)
+    seen = _head_positions(model)
+    with torch.no_grad():
+        shared, _ = shared_prefix_token_logprobs(model, ids, mask, loss_mask)
+        plain, _ = token_logprobs(model, ids, mask)
+    width = shared_prefix_plan(ids, mask, loss_mask).input_ids.shape[1]
+    assert seen == [width - (min(len(p) for p in prompts) - 1), ids.shape[1]]
+    torch.testing.assert_close(shared[loss_mask], plain[loss_mask], atol=1e-5, rtol=0)
+
+
+def test_a_loss_mask_of_the_wrong_shape_raises(model):
+    ids, mask = _pad(_sequences(), "right")
+    with pytest.raises(ValueError, match="loss_mask"):
+        token_logprobs(model, ids, mask, loss_mask=mask[:, :-1].bool())
+    # no trained token at all: every position is computed, as without a mask
+    logprobs, _ = token_logprobs(model, ids, mask, loss_mask=torch.zeros_like(mask, dtype=torch.bool))
+    torch.testing.assert_close(logprobs, token_logprobs(model, ids, mask)[0], atol=0, rtol=0)
