@@ -338,6 +338,7 @@ EVAL_FLAGS = {
     "--seed": "eval.seed",
     "--on-long-prompt": "data.on_long_prompt",
     "--max-batch-size": "rollout.max_batch_size",
+    "--dtype": "rollout.dtype",
     "--sglang-python": "rollout.sglang.launch.python",
     "--tracking-uri": "tracking.uri",
 }
@@ -400,6 +401,13 @@ def eval_model(
     max_batch_size: Annotated[
         int, typer.Option(help="Sequences decoded together (rollout.max_batch_size).")
     ] = 256,
+    dtype: Annotated[
+        str | None,
+        typer.Option(
+            help="Compute dtype of the built-in engine: float32 | bfloat16 (rollout.dtype; default: that of "
+            "--config, else float32)."
+        ),
+    ] = None,
     engine: Annotated[
         str,
         typer.Option(
@@ -443,6 +451,7 @@ def eval_model(
         "--seed": seed,
         "--on-long-prompt": on_long_prompt,
         "--max-batch-size": max_batch_size,
+        "--dtype": dtype,
         "--sglang-python": sglang_python,
         "--tracking-uri": tracking_uri,
     }

@@ -249,6 +249,7 @@ def _trainer_child(
         step()
         times.append(time.perf_counter() - start)
     seconds = statistics.median(times)
+    train_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # before the publication's copies
     publish_s = None
     if which in ("trustbatch", "lora"):  # a disk publication: gather (and merge the adapters), write the directory
         from transformers import AutoTokenizer
@@ -264,7 +265,8 @@ def _trainer_child(
     queue.put({"batch": {"sequences": batch.batch_size, "width": batch.input_ids.shape[1], "tokens": tokens,
                          "loss_tokens": loss_tokens, "micro_batch_size": micro},
                "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 1),
-               "peak_rss_mib": round(peak / MIB), "publish_s": publish_s})  # fmt: skip
+               "peak_rss_mib": round(peak / MIB), "train_peak_rss_mib": round(train_peak / MIB),
+               "publish_s": publish_s})  # fmt: skip
 
 
 def measure_trainer(
@@ -289,7 +291,9 @@ def measure_trainer(
         child.start()
         result = queue.get()
         child.join()
-        loops[name] = {k: result[k] for k in ("seconds", "tokens_per_s", "peak_rss_mib", "publish_s")}
+        loops[name] = {
+            k: result[k] for k in ("seconds", "tokens_per_s", "peak_rss_mib", "train_peak_rss_mib", "publish_s")
+        }
     return {"batch": result["batch"], "loops": loops}
 
 
@@ -409,7 +413,8 @@ def main() -> int:
     for name, r in trainer["loops"].items():
         published = f", a disk publication {r['publish_s']:.2f} s" if r.get("publish_s") is not None else ""
         print(f"    {name:<24} {r['tokens_per_s']:>8.1f} tokens/s  ({r['seconds']:.2f} s a step, "
-              f"peak RSS {r['peak_rss_mib']} MiB{published})")  # fmt: skip
+              f"peak RSS {r['peak_rss_mib']} MiB, {r['train_peak_rss_mib']} MiB before any publication"
+              f"{published})")  # fmt: skip
     if args.lora:
         lora = trainer["loops"][f"train_step, LoRA r={args.lora}"]
         print(f"    LoRA / full train_step = {lora['tokens_per_s'] / ours['tokens_per_s']:.2f}  (target >= 1.4)")

@@ -301,18 +301,20 @@ def train_trl(
 # ---------------------------------------------------------------------------------------------- evaluation
 
 
-def eval_command(task: Task, model_dir: Path, cfg: Config, eval_prompts: int, samples: int, out: Path) -> list[str]:
+def eval_command(
+    task: Task, model_dir: Path, cfg: Config, eval_prompts: int, samples: int, dtype: str, out: Path
+) -> list[str]:
     return [
         sys.executable, "-m", "app.cli", "eval", str(model_dir),
         "--config", str(task.config), "--data", cfg.data.eval,
         "--num-prompts", str(eval_prompts), "--samples", str(samples), "--k", "1",
         "--temperature", str(cfg.rollout.temperature), "--max-new-tokens", str(cfg.rollout.max_new_tokens),
-        "--seed", str(EVAL_SEED), "--threads", "1", "--no-track", "--out", str(out),
+        "--seed", str(EVAL_SEED), "--dtype", dtype, "--threads", "1", "--no-track", "--out", str(out),
     ]  # fmt: skip
 
 
-def evaluate(task: Task, models: dict[str, Path], cfg: Config, eval_prompts: int, samples: int, root: Path,
-             suffix: str = "") -> dict[str, dict[str, Any]]:  # fmt: skip
+def evaluate(task: Task, models: dict[str, Path], cfg: Config, eval_prompts: int, samples: int, dtype: str,
+             root: Path, suffix: str = "") -> dict[str, dict[str, Any]]:  # fmt: skip
     """`trustbatch eval` of each model, one process (one thread) each, at the same time: evaluations are not
     timed and each is seeded, so running them side by side changes their wall time, not their results. Returns
     each model's per-prompt accuracies (for paired gains) and pass@1 ± SE."""
@@ -320,7 +322,7 @@ def evaluate(task: Task, models: dict[str, Path], cfg: Config, eval_prompts: int
     running = []
     for name, model_dir in models.items():
         log = open(outs[name].with_suffix(".log"), "w")  # noqa: SIM115 - closed below, after the process ends
-        command = eval_command(task, model_dir, cfg, eval_prompts, samples, outs[name])
+        command = eval_command(task, model_dir, cfg, eval_prompts, samples, dtype, outs[name])
         process = subprocess.Popen(command, cwd=REPO, env=child_env(), stdout=log, stderr=subprocess.STDOUT)
         running.append((command, log, process))
     for command, log, process in running:
@@ -377,8 +379,10 @@ def summarize(runs: list[dict]) -> dict[str, Any]:
         }
     by_seed = {(r["system"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
-    diff, diff_se = mean_se([by_seed["trustbatch", s]["gain"] - by_seed["trl", s]["gain"] for s in seeds])
-    ratio = systems["trustbatch"]["completions_per_s"] / systems["trl"]["completions_per_s"]
+    diff = diff_se = ratio = math.nan  # without a TRL run (--no-trl)
+    if "trl" in systems:
+        diff, diff_se = mean_se([by_seed["trustbatch", s]["gain"] - by_seed["trl", s]["gain"] for s in seeds])
+        ratio = systems["trustbatch"]["completions_per_s"] / systems["trl"]["completions_per_s"]
     variants = {}
     for name in systems:
         if name not in ("trustbatch", "trl"):
@@ -414,16 +418,17 @@ def print_report(start: dict, runs: list[dict], summary: dict, eval_prompts: int
             f"  {system:<11} gain {pts(s['gain'])} ± {se_pts(s['gain_se_across_seeds'])}, "
             f"{s['completions_per_s']:.3g} completions/s, {s['steps']:.0f} steps"
         )
-    print(f"  completions/s trustbatch / TRL: {summary['completions_per_s_ratio']:.2f}")
-    print(
-        f"  gain trustbatch − TRL (paired by seed): {pts(summary['gain_difference'])} ± "
-        f"{se_pts(summary['gain_difference_se_across_seeds'])}"
-    )
-    for pair in summary["by_seed"]:
+    if "trl" in summary["systems"]:
+        print(f"  completions/s trustbatch / TRL: {summary['completions_per_s_ratio']:.2f}")
         print(
-            f"    seed {pair['seed']}: {pts(pair['gain_difference'])} ± {se_pts(pair['se_by_prompt'])} "
-            "(SE paired by prompt)"
+            f"  gain trustbatch − TRL (paired by seed): {pts(summary['gain_difference'])} ± "
+            f"{se_pts(summary['gain_difference_se_across_seeds'])}"
         )
+        for pair in summary["by_seed"]:
+            print(
+                f"    seed {pair['seed']}: {pts(pair['gain_difference'])} ± {se_pts(pair['se_by_prompt'])} "
+                "(SE paired by prompt)"
+            )
     for name, v in summary["variants"].items():
         print(
             f"  gain trustbatch − {name} (paired by seed): {pts(v['gain_difference'])} ± "
@@ -467,6 +472,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--trl-threads", type=int, default=1, help="torch threads of the TRL process")
     parser.add_argument(
+        "--no-trl", action="store_true",
+        help="train no TRL run: trustbatch against its --also variants only (e.g. ess against ppo_clip)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--eval-dtype", choices=("float32", "bfloat16"), default="float32",
+        help="compute dtype of every evaluation's engine (trustbatch eval --dtype); the same for all models",
+    )  # fmt: skip
+    parser.add_argument(
         "--trl-bf16", action="store_true",
         help="TRL with bf16=True: accelerate autocasts its model's forward (generation and training) to bfloat16 "
         "over float32 weights; pair it with --overrides rollout.dtype=bfloat16 trainer.compute_dtype=bfloat16",
@@ -495,6 +508,8 @@ def parse_args() -> argparse.Namespace:
             parser.error(f"--also {spec!r}: expected NAME:KEY=VALUE[,KEY=VALUE] with a new name")
         also.append((name, tuple(overrides.split(","))))
     args.also = also
+    if args.no_trl and not also:
+        parser.error("--no-trl needs at least one --also variant to compare trustbatch with")
     args.seconds = args.seconds or (60.0 if args.quick else args.task.seconds)
     args.seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     args.eval_prompts = args.eval_prompts or (min(300, args.task.eval_prompts) if args.quick else args.task.eval_prompts)
@@ -527,16 +542,19 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
     results = {
         "trustbatch": train_trustbatch(task, seed, args.seconds, args.eval_prompts, root, extra=tuple(args.overrides))
     }
-    print(f"seed {seed}: TRL GRPOTrainer, {args.seconds:g} s of training ...", flush=True)
-    results["trl"] = train_trl(
-        task, cfg, seed, args.seconds, args.trl_threads, args.trl_bf16, shared.prompts, shared.model, root
-    )
+    if not args.no_trl:
+        print(f"seed {seed}: TRL GRPOTrainer, {args.seconds:g} s of training ...", flush=True)
+        results["trl"] = train_trl(
+            task, cfg, seed, args.seconds, args.trl_threads, args.trl_bf16, shared.prompts, shared.model, root
+        )
     for name, overrides in args.also:
         print(f"seed {seed}: trustbatch with {' '.join(overrides)} ({name}), {args.seconds:g} s of training ...", flush=True)
         results[name] = train_trustbatch(task, seed, args.seconds, args.eval_prompts, root, name, overrides)
     print(f"seed {seed}: evaluating the final models ...", flush=True)
     models = {system: Path(result["model_dir"]) for system, result in results.items()}
-    ends = evaluate(task, models, cfg, args.eval_prompts, shared.samples, root, suffix=f"-seed{seed}")
+    ends = evaluate(
+        task, models, cfg, args.eval_prompts, shared.samples, args.eval_dtype, root, suffix=f"-seed{seed}"
+    )
     rows = []
     for system, result in results.items():
         end = ends[system]
@@ -547,8 +565,9 @@ def run_seed(seed: int, args: argparse.Namespace, cfg: Config, shared: Shared) -
             "start": start["pass@1"], "end": end["pass@1"], "end_se": end["pass@1_se"],
             "gain": gain, "gain_se": gain_se, "details": result,
         })  # fmt: skip
-    difference, difference_se = paired_diff(ends["trl"], ends["trustbatch"])
-    pair = {"seed": seed, "gain_difference": difference, "se_by_prompt": difference_se}
+    pair: dict[str, Any] = {"seed": seed}
+    if "trl" in ends:
+        pair["gain_difference"], pair["se_by_prompt"] = paired_diff(ends["trl"], ends["trustbatch"])
     for name, _ in args.also:  # trustbatch (the config as written) − each variant, paired by prompt
         d, d_se = paired_diff(ends[name], ends["trustbatch"])
         pair[f"vs_{name}"] = {"difference": d, "se_by_prompt": d_se}
@@ -566,13 +585,14 @@ def main() -> int:
         return 0
     cfg = task_config(task)
     root = args.out.resolve() / stem
-    ensure_trl_env()
+    if not args.no_trl:
+        ensure_trl_env()
     samples = args.eval_samples or cfg.eval.samples_per_prompt
     model = ensure_model(task, cfg, root / "bootstrap.log")
     prompts = root / "train_prompts.jsonl"
     print(f"{write_train_prompts(cfg, model, prompts)} training prompts written to {prompts}", flush=True)
     print("evaluating the starting model ...", flush=True)
-    start = evaluate(task, {"start": model}, cfg, args.eval_prompts, samples, root)["start"]
+    start = evaluate(task, {"start": model}, cfg, args.eval_prompts, samples, args.eval_dtype, root)["start"]
     shared = Shared(root=root, model=model, prompts=prompts, samples=samples, start=start)
     runs, pairs = [], []
     for seed in args.seeds:
@@ -590,6 +610,8 @@ def main() -> int:
             "eval_prompts": args.eval_prompts,
             "eval_samples": samples,
             "eval_seed": EVAL_SEED,
+            "eval_dtype": args.eval_dtype,
+            "trl": not args.no_trl,
             "trl_threads": args.trl_threads,
             "trl_bf16": args.trl_bf16,
             "trustbatch_overrides": list(args.overrides),
@@ -615,15 +637,16 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     variants = list(report["settings"].get("also", {}))
-    systems = ["trustbatch", "trl", *variants]
+    with_trl = report["settings"].get("trl", True)
+    systems = ["trustbatch", *(["trl"] if with_trl else []), *variants]
     threads = report["settings"]["trl_threads"]
     changed = [o.split("=", 1) for o in report["settings"].get("trustbatch_overrides", [])]
     mine = "trustbatch" + "".join(f"\n{key.rsplit('.', 1)[-1]}={value}" for key, value in changed)
-    labels = [
-        mine, f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''}"
-        f"{', bf16' if report['settings'].get('trl_bf16') else ''})",
-        *(f"trustbatch\n{name}" for name in variants),
-    ]  # fmt: skip
+    trl = (
+        f"TRL GRPOTrainer\n({threads} torch thread{'s' if threads != 1 else ''}"
+        f"{', bf16' if report['settings'].get('trl_bf16') else ''})"
+    )
+    labels = [mine, *([trl] if with_trl else []), *(f"trustbatch\n{name}" for name in variants)]
     colors = ["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:gray"]
     fig, axes = plt.subplots(1, 2, figsize=(9 + 2 * len(variants), 3.8))
     for ax, key, scale, title in (
