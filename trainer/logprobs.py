@@ -23,7 +23,8 @@ softmax (plus one for the entropy) per sequence.
 
 Only the logits that are read. Given a ``loss_mask`` (the tokens a loss reads), the output head and the
 log-softmax run only from the batch's first position that predicts such a token (HF's ``logits_to_keep``, which
-keeps the last N positions): a prompt's logits are never computed. On SmolLM2 the 49k-token head is a fifth of a
+keeps the last N positions): the prompt positions before it are never computed (a longer prompt in the same
+micro-batch still runs the head past that column). On SmolLM2 the 49k-token head is a fifth of a
 forward's FLOPs and a prompt is about half of a sequence. Positions before that one get 0, which the loss never
 reads. A model whose ``forward`` takes no ``logits_to_keep`` computes every position, as before.
 """
@@ -54,12 +55,19 @@ def _takes_logits_to_keep(forward_type: type) -> bool:
 
 
 def _model_logits(model: torch.nn.Module, keep: int, **inputs: Tensor) -> Tensor:
-    """``model(**inputs).logits`` of the last ``keep`` positions (all of them when ``keep`` is the length, or
-    the model's forward takes no ``logits_to_keep``: then the leading positions are sliced off here)."""
+    """``model(**inputs).logits`` of the last ``keep`` positions: the model computes only those when its forward
+    takes ``logits_to_keep``; otherwise (or if it computed more anyway) the leading ones are sliced off here."""
     length = inputs["input_ids"].shape[1]
     if keep < length and _takes_logits_to_keep(type(model)):
-        return model(**inputs, logits_to_keep=keep).logits
-    return model(**inputs).logits[:, length - keep :]
+        logits = model(**inputs, logits_to_keep=keep).logits
+    else:
+        logits = model(**inputs).logits
+    if logits.shape[1] < keep:
+        raise ValueError(
+            f"the model returned logits for {logits.shape[1]} positions, fewer than the {keep} asked of it "
+            f"(logits_to_keep={keep})"
+        )
+    return logits[:, logits.shape[1] - keep :]
 
 
 def _first_predictor(loss_mask: Tensor | None, length: int) -> int:
@@ -256,6 +264,8 @@ def shared_prefix_token_logprobs(
             f"trainer.share_prompts needs an attention that takes a 4D mask (sdpa or eager); this model uses "
             f"{attn!r}: set trainer.share_prompts=false"
         )
+    if loss_mask[:, 0].any():
+        raise ValueError("loss_mask[:, 0] is set: nothing predicts a row's first token, so it cannot be trained")
     if not loss_mask.any():
         # Nothing to pack (a padding micro-batch), but under FSDP2 every rank must still run the forward.
         return token_logprobs(model, input_ids, attention_mask, temperature=temperature,

@@ -181,6 +181,8 @@ def test_eval_command_on_a_jsonl_file_uses_the_config_sections(tiny_model_dir, t
         (["--data", "prompts.txt"], "data.eval='prompts.txt' is neither builtin:<task> nor a path"),
         (["--data", "prompts.txt"], "(--data sets data.eval)"),
         (["--engine", "vllm"], "engine 'vllm': choose one of embedded, local, sglang, auto"),
+        (["--dtype", "float16"], "rollout.dtype='float16' must be one of ['float32', 'bfloat16']"),
+        (["--dtype", "float16"], "(--dtype sets rollout.dtype)"),
         (["--data", "builtin:geometry"], "unknown built-in task 'geometry'"),
         (["--data", "tests/fixtures/prompts_small.jsonl"], "have no verifier"),
         (["--config", "configs/missing.yaml"], "does not exist"),

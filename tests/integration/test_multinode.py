@@ -4,7 +4,7 @@ Each "node" is one torchrun with one trainer rank, which starts its own built-in
 every policy version from disk (the run directory stands in for the shared filesystem) or over a gloo group of
 the rank and its server (the distributed sync). A few synchronous steps of `trustbatch train` give exactly the
 update of one node with two processes, with either sync: the same two ranks do the same arithmetic, only the
-rendezvous differs. With real SGLang servers: tests/sglang/test_multinode_sglang.py. Also here: nodes started with different configs stop with one message
+rendezvous differs (the one-node run uses disk; gloo and disk publish the same weights bitwise, test_loop.py). With real SGLang servers: tests/sglang/test_multinode_sglang.py. Also here: nodes started with different configs stop with one message
 naming the node and the keys, and a rendezvous that never completes ends after torchrun's join timeout.
 """
 
@@ -94,22 +94,31 @@ def _losses(run_dir: Path) -> list[dict[str, float]]:
     return [{k: row[k] for k in keys} for row in rows if "loss/total" in row]
 
 
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory, tiny_model_dir):
+    """The run as 1 node x 2 ranks (disk sync): its run directory. The two-node runs of either sync are compared
+    with it: gloo and disk publish the same weights bitwise (tests/integration/test_loop.py)."""
+    tmp = tmp_path_factory.mktemp("one-node")
+    one = tmp / "one-node"
+    single = subprocess.run(
+        torchrun("--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
+                  *train_args(tmp, tiny_model_dir, one, "rollout.sglang.weight_sync.method=disk")),  # fmt: skip
+        env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
+    )
+    assert single.returncode == 0, f"one node failed ({single.returncode}):\n{single.stdout[-3000:]}{single.stderr[-6000:]}"
+    return one
+
+
 @pytest.fixture(scope="module", params=["disk", "distributed"])
-def two_layouts(request, tmp_path_factory, tiny_model_dir):
-    """The same run as 2 nodes x 1 rank and as 1 node x 2 ranks, with one weight sync: their run directories."""
+def two_layouts(request, tmp_path_factory, tiny_model_dir, one_node):
+    """The same run as 2 nodes x 1 rank with one weight sync, and as 1 node x 2 ranks: their run directories."""
     tmp = tmp_path_factory.mktemp(f"multinode-{request.param}")
-    two, one = tmp / "two-nodes", tmp / "one-node"
+    two = tmp / "two-nodes"
     sync = f"rollout.sglang.weight_sync.method={request.param}"
     results = two_nodes([train_args(tmp, tiny_model_dir, two, sync)] * 2)
     for node, result in enumerate(results):
         assert result.returncode == 0, f"node {node} failed ({result.returncode}):\n{result.stdout[-6000:]}"
-    single = subprocess.run(
-        torchrun("--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={_free_port()}",
-                  *train_args(tmp, tiny_model_dir, one, sync)),  # fmt: skip
-        env=torchrun_env(), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT_S,
-    )
-    assert single.returncode == 0, f"one node failed ({single.returncode}):\n{single.stdout[-3000:]}{single.stderr[-6000:]}"
-    return two, one, results, request.param
+    return two, one_node, results, request.param
 
 
 def test_two_nodes_train_exactly_like_one_node_with_two_processes(two_layouts, tiny_model_dir):

@@ -238,15 +238,22 @@ class _NoLogitsToKeep(torch.nn.Module):
         return self.inner(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
 
 
-@pytest.mark.parametrize("wrapped", [False, True], ids=["logits_to_keep", "no_logits_to_keep"])
-def test_loss_mask_skips_the_head_before_the_first_trained_token(wrapped):
+class _IgnoresLogitsToKeep(_NoLogitsToKeep):
+    """A forward that takes `logits_to_keep` and computes every position anyway."""
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep=0):
+        return super().forward(input_ids, attention_mask, position_ids)
+
+
+@pytest.mark.parametrize("wrapper", [None, _NoLogitsToKeep, _IgnoresLogitsToKeep])
+def test_loss_mask_skips_the_head_before_the_first_trained_token(wrapper):
     ids, mask, loss_mask, prompts, _ = _grouped_batch()
     first = min(len(p) for p in prompts) - 1  # the shortest prompt's last token predicts the first trained one
     results = []
     for given in (None, loss_mask):
         base = random_qwen2(0, vocab_size=VOCAB)
         seen = _head_positions(base)
-        model = _NoLogitsToKeep(base) if wrapped else base
+        model = wrapper(base) if wrapper else base
         logprobs, entropy = token_logprobs(model, ids, mask, with_entropy=True, loss_mask=given)
         weights = torch.linspace(-1, 1, ids.numel()).reshape(ids.shape)
         (logprobs * weights + 0.1 * entropy)[loss_mask].sum().backward()
@@ -254,7 +261,7 @@ def test_loss_mask_skips_the_head_before_the_first_trained_token(wrapped):
         results.append((logprobs.detach(), entropy.detach(), grads, seen))
     (plain, plain_entropy, plain_grads, plain_seen), (kept, kept_entropy, kept_grads, kept_seen) = results
     assert plain_seen == [ids.shape[1]]
-    assert kept_seen == [ids.shape[1] if wrapped else ids.shape[1] - first]
+    assert kept_seen == [ids.shape[1] if wrapper else ids.shape[1] - first]
     torch.testing.assert_close(kept[:, first + 1 :], plain[:, first + 1 :], atol=1e-5, rtol=0)
     torch.testing.assert_close(kept_entropy[:, first + 1 :], plain_entropy[:, first + 1 :], atol=1e-5, rtol=0)
     assert torch.all(kept[:, : first + 1] == 0) and torch.all(kept_entropy[:, : first + 1] == 0)
@@ -275,10 +282,12 @@ def test_shared_prefix_runs_the_head_from_the_first_predictor_only():
     torch.testing.assert_close(shared[loss_mask], plain[loss_mask], atol=1e-5, rtol=0)
 
 
-def test_a_loss_mask_of_the_wrong_shape_raises(model):
+def test_a_loss_mask_of_the_wrong_shape_or_on_the_first_token_raises(model):
     ids, mask = _pad(_sequences(), "right")
     with pytest.raises(ValueError, match="loss_mask"):
         token_logprobs(model, ids, mask, loss_mask=mask[:, :-1].bool())
+    with pytest.raises(ValueError, match=r"loss_mask\[:, 0\]"):
+        shared_prefix_token_logprobs(model, ids, mask, mask.bool())
     # no trained token at all: every position is computed, as without a mask
     logprobs, _ = token_logprobs(model, ids, mask, loss_mask=torch.zeros_like(mask, dtype=torch.bool))
     torch.testing.assert_close(logprobs, token_logprobs(model, ids, mask)[0], atol=0, rtol=0)
