@@ -131,6 +131,7 @@ def evaluate_model(
         model=source,
         model_dir=str(model_dir),
         engine=opened.kind,
+        dtype=cfg.rollout.dtype if opened.kind in ("embedded", "local") else "",
         max_batch_size=cfg.rollout.max_batch_size,
         data=data_source,
         tracking_uri=tracking_uri,

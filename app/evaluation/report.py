@@ -32,6 +32,7 @@ def settings_record(result: EvalResult) -> dict:
         "seed": s.seed,
         "max_batch_size": result.max_batch_size,
         "engine": result.engine,
+        "dtype": result.dtype,
     }
 
 

@@ -115,6 +115,8 @@ class EvalResult:
     """The model reference evaluated (`trustbatch eval`; None during training)."""
     model_dir: str = ""
     engine: str = ""
+    dtype: str = ""
+    """The built-in engine's compute dtype (rollout.dtype); empty for SGLang, whose server sets its own."""
     max_batch_size: int | None = None
     """Sequences the engine decoded together (`trustbatch eval`: also the prompts x n of one generate call)."""
     data: str = ""

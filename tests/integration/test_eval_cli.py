@@ -160,12 +160,13 @@ def test_eval_command_on_a_jsonl_file_uses_the_config_sections(tiny_model_dir, t
     out_file = tmp_path / "out.json"
     out = _cli(
         "eval", str(tiny_model_dir), "--data", str(prompts), "--k", "2", "--config", str(config),
-        "--out", str(out_file), "--tracking-uri", f"sqlite:///{store}",
+        "--out", str(out_file), "--tracking-uri", f"sqlite:///{store}", "--dtype", "bfloat16",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
     result = json.loads(out_file.read_text())
     assert [p["id"] for p in result["prompts"]] == ["p1", "p2", "p3"]
     assert result["settings"]["temperature"] == 0.7 and result["settings"]["max_new_tokens"] == 6
+    assert result["settings"]["dtype"] == "bfloat16" and result["settings"]["engine"] == "embedded"
     client = MlflowClient(tracking_uri=f"sqlite:///{store}")
     experiment = client.get_experiment_by_name("evals")
     assert client.get_run(result["mlflow_run_id"]).info.experiment_id == experiment.experiment_id
