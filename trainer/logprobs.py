@@ -70,7 +70,7 @@ def _model_logits(model: torch.nn.Module, keep: int, **inputs: Tensor) -> Tensor
     return logits[:, logits.shape[1] - keep :]
 
 
-def _first_predictor(loss_mask: Tensor | None, length: int) -> int:
+def _first_predictor(loss_mask: Tensor | None) -> int:
     """The first column whose logits predict a ``loss_mask`` token (0 without a mask, or when none is set)."""
     if loss_mask is None or not loss_mask[:, 1:].any():
         return 0
@@ -135,7 +135,7 @@ def token_logprobs(
     _check_sampling_args(temperature, chunk_size)
 
     batch, length = input_ids.shape
-    first = _first_predictor(loss_mask, length)
+    first = _first_predictor(loss_mask)
     position_ids = position_ids_from_mask(attention_mask)
     logits = _model_logits(
         model, length - first, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
