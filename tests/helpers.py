@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
+import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -36,3 +40,11 @@ def wait_for_health(process, url: str, log_path, *, timeout_s: float, what: str 
         except httpx.HTTPError:
             pass
         time.sleep(0.3)
+
+
+def remove_unless_failed(request: pytest.FixtureRequest, path: Path) -> None:
+    """Teardown of a module-scoped fixture's directory (a SmolLM2 checkpoint is 0.5-2 GB): removed when no test
+    has failed so far, kept to read otherwise. pyproject's `tmp_path_retention_policy = "failed"` does the same for
+    each passing test's `tmp_path`, so the suite's disk use peaks at about one module's, not the sum of all."""
+    if request.session.testsfailed == 0:
+        shutil.rmtree(path, ignore_errors=True)

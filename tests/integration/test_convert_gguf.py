@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import remove_unless_failed
+
 from .conftest import REPO
 
 
@@ -115,9 +117,10 @@ CHAT = [
 
 
 @pytest.fixture(scope="module")
-def converted(smollm2_gguf, tmp_path_factory):
+def converted(smollm2_gguf, tmp_path_factory, request):
     """The GGUF converted by `trustbatch convert-gguf --force` over a stale, non-empty directory."""
     out_dir = tmp_path_factory.mktemp("convert") / "smollm2"
+    request.addfinalizer(lambda: remove_unless_failed(request, out_dir.parent))
     out_dir.mkdir()
     (out_dir / "stale.bin").write_bytes(b"old")
     done = trustbatch("convert-gguf", str(smollm2_gguf), str(out_dir), "--force")

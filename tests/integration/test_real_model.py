@@ -29,7 +29,7 @@ from transformers import AutoTokenizer
 
 from app.config import load_config
 from app.training.loop import run
-from tests.helpers import wait_for_health
+from tests.helpers import remove_unless_failed, wait_for_health
 from trainer.model import encode_prompt
 
 from .conftest import REPO
@@ -65,8 +65,9 @@ class Trained:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, smollm2_dir) -> Trained:
+def trained(tmp_path_factory, smollm2_dir, request) -> Trained:
     root = tmp_path_factory.mktemp("real-model")
+    request.addfinalizer(lambda: remove_unless_failed(request, root))
     uri = f"sqlite:///{root / 'mlflow.db'}"
     overrides = [
         f"run.dir={root / 'run'}",
@@ -172,9 +173,10 @@ def test_peak_memory_of_the_training_run_stays_well_inside_the_machine(trained):
 
 
 @pytest.fixture(scope="module")
-def served(trained, tmp_path_factory):
+def served(trained, tmp_path_factory, request):
     """`trustbatch serve models:/smollm2-reasoning@best` (the run's registered checkpoint), as a user starts it."""
     folder = tmp_path_factory.mktemp("serve")
+    request.addfinalizer(lambda: remove_unless_failed(request, folder))
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRUSTBATCH_CACHE_DIR": str(folder / "cache")}
     log_path = folder / "serve.log"

@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from app.cli import app
 from app.config import load_config
 from app.training.loop import run
+from tests.helpers import remove_unless_failed
 from trainer.checkpoint import COMPLETE_MARKER, checkpoint_problem, list_checkpoints
 
 from .conftest import REPO
@@ -113,9 +114,10 @@ SHORT = ["run.steps=4", "checkpoint.every=2", "eval.every=0", "eval.greedy=false
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_model_dir):
+def finished_run(tmp_path_factory, tiny_model_dir, request):
     """A real 4-step run with complete checkpoints at steps 2 and 4, to be copied and damaged."""
     base = tmp_path_factory.mktemp("damaged")
+    request.addfinalizer(lambda: remove_unless_failed(request, base))
     summary = run(small_config(base, tiny_model_dir, *SHORT, "tracking.log_model=false"))
     assert [step for step, _ in list_checkpoints(base / "run" / "checkpoints")] == [2, 4]
     return base / "run", summary

@@ -22,6 +22,7 @@ import torch
 from app.rollout.base import SamplingParams, WeightSource
 from app.rollout.joint import gather_weights
 from app.rollout.weight_sync import DistributedWeightSync, WeightSyncConfig
+from tests.helpers import remove_unless_failed
 from tests.sglang.conftest import launch_cpu_server, load_model, run_with_client, worst_logprob_gap
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -60,7 +61,7 @@ def sampling(tokenizer) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def perturbed(smollm2_dir, tmp_path_factory):
+def perturbed(smollm2_dir, tmp_path_factory, request):
     """SmolLM2 with every weight scaled by 1 + 0.05 * noise (seeded), saved as a second HF directory."""
     model = load_model(smollm2_dir)
     generator = torch.Generator().manual_seed(0)
@@ -68,6 +69,7 @@ def perturbed(smollm2_dir, tmp_path_factory):
         for param in model.parameters():
             param.mul_(1 + 0.05 * torch.randn(param.shape, generator=generator))
     path = tmp_path_factory.mktemp("smollm2-perturbed")
+    request.addfinalizer(lambda: remove_unless_failed(request, path))
     model.save_pretrained(path)
     return path, model
 
