@@ -254,6 +254,23 @@ class RolloutConfig:
                 "rollout.sglang.weight_sync.backend=nccl: the built-in CPU server (rollout.engine=local) receives "
                 "weights over gloo only: set weight_sync.backend=gloo (or auto)"
             )
+        if self.sglang.lora_adapters:
+            if self.engine != "sglang":
+                raise ValueError(
+                    f"rollout.sglang.lora_adapters=true loads adapters into SGLang servers, but rollout.engine="
+                    f"{self.engine} takes merged weights: set rollout.engine=sglang, or lora_adapters=false"
+                )
+            if self.sglang.weight_sync.method != "disk":
+                raise ValueError(
+                    "rollout.sglang.lora_adapters=true: adapters travel as PEFT directories on disk, so "
+                    "rollout.sglang.weight_sync.method must be disk"
+                )
+            if launching and self.sglang.launch.cpu:
+                raise ValueError(
+                    "rollout.sglang.lora_adapters=true with rollout.sglang.launch.cpu=true: SGLang's --enable-lora "
+                    "does not run on its CPU backend (sglang #31894); CPU servers take merged weights "
+                    "(lora_adapters=false)"
+                )
         if self.engine != "sglang" and self.sglang.router:
             raise ValueError(
                 f"rollout.sglang.router={self.sglang.router!r} is set but rollout.engine={self.engine} does not "
@@ -316,6 +333,11 @@ class Config:
                 "held-out prompts generated for the built-in task: raise data.num_eval or lower eval.num_prompts"
             )
         _check_verifier_params(self.rewards)
+        if self.rollout.sglang.lora_adapters and self.trainer.lora.rank == 0:
+            raise ValueError(
+                "rollout.sglang.lora_adapters=true publishes LoRA adapters, but trainer.lora.rank=0 trains every "
+                "weight: set trainer.lora.rank (e.g. 8), or lora_adapters=false"
+            )
         samples = self.rollout.prompts_per_step * self.rollout.group_size
         if self.trainer.micro_batch_size > samples:
             raise ValueError(

@@ -38,7 +38,7 @@ from typing import Literal
 from app.rollout.base import RolloutEngine
 from app.rollout.process import LocalServerProcess, ServerProcess
 from app.rollout.sglang import SGLangClient, SGLangClientConfig
-from app.rollout.sglang_server import SGLangLaunchConfig, launch_servers
+from app.rollout.sglang_server import LoraServing, SGLangLaunchConfig, launch_servers
 
 log = logging.getLogger("trustbatch")
 
@@ -81,6 +81,8 @@ class EngineOptions:
     from ``local_rank * launch.num_servers`` on; None: ``rank`` (one machine)."""
     wait: bool = True
     """Block until every server started here answers GET /health (False: the caller waits; see above)."""
+    lora: LoraServing | None = None
+    """LoRA flags for SGLang servers started here (``rollout.sglang.lora_adapters``); None: full weights."""
 
 
 @dataclass
@@ -217,6 +219,7 @@ def _start(kind: EngineKind, model_dir: Path, options: EngineOptions, servers: l
         launch, model_dir, log_dir, weight_version=options.weight_version,
         first_index=options.rank * launch.num_servers,
         first_node_index=(options.rank if options.local_rank is None else options.local_rank) * launch.num_servers,
+        lora=options.lora,
     )  # fmt: skip
     log.info("rank %d: SGLang at %s", options.rank, ", ".join(s.url for s in servers))
     return replace(client_cfg, urls=[s.url for s in servers], launch=launch)

@@ -123,6 +123,20 @@ def merged_state_dict(state: dict[str, Tensor], scaling: float) -> dict[str, Ten
     return out
 
 
+def lora_weights(model: torch.nn.Module) -> dict[str, Tensor]:
+    """The LoRA matrices of ``model`` alone, full tensors on the CPU, under their state-dict names: what an adapter
+    publication sends, without gathering the frozen base. Under FSDP2 each is all-gathered (``full_tensor``), so
+    every rank must call it."""
+    out = {}
+    for name, param in model.named_parameters():
+        if ".lora_" in name:
+            value = param.detach()
+            if hasattr(value, "full_tensor"):  # a DTensor shard under FSDP2
+                value = value.full_tensor()
+            out[name] = value.cpu()
+    return out
+
+
 def adapter_state_dict(state: dict[str, Tensor]) -> dict[str, Tensor]:
     """The LoRA matrices of a full state dict, under PEFT's saved names
     (``base_model.model.<module>.lora_A.weight``)."""

@@ -57,14 +57,18 @@ class Completion:
 
 @dataclass(frozen=True)
 class WeightSource:
-    """Where an engine takes new weights from: an in-memory state dict or an HF directory on disk."""
+    """Where an engine takes new weights from: an in-memory state dict or an HF directory on disk, or (``adapter``)
+    a PEFT LoRA adapter directory on disk that the engine applies over the base model it was started with."""
 
     state_dict: dict[str, torch.Tensor] | None = None
     path: Path | None = None
+    adapter: bool = False
 
     def __post_init__(self) -> None:
         if (self.state_dict is None) == (self.path is None):
             raise ValueError("WeightSource needs exactly one of state_dict or path")
+        if self.adapter and self.path is None:
+            raise ValueError("WeightSource(adapter=True) needs the adapter's directory as path")
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ version travels is chosen here, from the engine and ``rollout.sglang.weight_sync
 - **disk** (HTTP servers, ``method=disk``): every rank gathers, rank 0 writes ``weights_dir/v<N>/`` (an HF
   directory, `app.rollout.joint.save_version`), and each rank's servers load it (/update_weights_from_disk).
   The three newest versions stay on disk (a restarted server starts from the newest), older ones are removed;
+- **adapters** (SGLang on GPUs, ``rollout.sglang.lora_adapters``, a LoRA run): every rank gathers the LoRA
+  matrices alone, rank 0 writes ``weights_dir/v<N>/`` as a PEFT adapter directory
+  (`app.rollout.joint.save_adapter_version`), each rank's servers load it (/load_lora_adapter) and every later
+  request names it; once the version is checked, adapters older than the newest ``adapters`` (``max_lag + 1``)
+  are unloaded. A restarted server starts from the base model and gets the newest adapter;
 - **distributed** (SGLang, ``method=distributed``): every rank gathers and casts the state dict
   (`app.rollout.joint.gather_weights`) and broadcasts it to its own servers over NCCL/gloo
   (app/rollout/weight_sync.py); nothing touches the file system;
@@ -153,6 +158,8 @@ class Fleet:
         is_main: this rank writes the files (rank 0).
         wait_for_push: ``publish`` returns only once every engine holds the version (``rollout.max_lag=0``).
         check: the probe that verifies every published version on every engine (app/rollout/probe.py); None: off.
+        adapters: publish LoRA adapters, keeping this many versions resident on the servers (``max_lag + 1``);
+            0: full weights.
     """
 
     def __init__(
@@ -168,8 +175,12 @@ class Fleet:
         is_main: bool = True,
         wait_for_push: bool = False,
         check: PublishCheck | None = None,
+        adapters: int = 0,
     ) -> None:
+        if adapters and not isinstance(engine, SGLangClient):
+            raise ValueError("adapter publication needs SGLang servers (rollout.sglang.lora_adapters)")
         self.engine, self.servers, self.cfg = engine, list(servers), cfg
+        self.adapters = adapters
         self.health_timeout_s = health_timeout_s
         self.weight_sync = weight_sync if weight_sync is not None and weight_sync.method == "distributed" else None
         """Set: in-memory weights are broadcast to the SGLang servers over a process group (NCCL/gloo)."""
@@ -187,6 +198,8 @@ class Fleet:
         """Seconds the latest completed push took (the snapshot excluded)."""
         self.latest: tuple[Path, int] | None = None
         """The newest weights on disk (directory, version): what a restarted server starts from."""
+        self.latest_adapter: tuple[Path, int] | None = None
+        """The newest adapter (directory, version), with ``adapters``: what a restarted server is given."""
         self._hooks: PublishHooks | None = None
         self._push: asyncio.Task | None = None
         self._healthy = asyncio.Event()
@@ -213,6 +226,9 @@ class Fleet:
         if self.latest is not None and not self.servers:
             path, version = self.latest
             await self._load(WeightSource(path=path), version)
+        if self.latest_adapter is not None:  # a resumed LoRA run: every server starts from the base model
+            path, version = self.latest_adapter
+            await self._load(WeightSource(path=path, adapter=True), version)
         if self.check is not None and model is not None:
             if self.weight_sync is not None and self.weight_sync.dtype not in (None, "float32"):
                 # Versions will arrive cast (weight_sync.dtype): send the start weights the same way, so that the
@@ -237,7 +253,12 @@ class Fleet:
         in memory), or with ``wait_for_push`` once every engine holds the version."""
         if self._hooks is None:
             raise RuntimeError("Fleet.connect(hooks) must come before publish")
-        if self.on_disk:
+        if self.adapters:
+            assert self.weights_dir is not None, "adapters travel on disk: they need a weights_dir"
+            path = self.weights_dir / f"v{version}"
+            await asyncio.to_thread(joint.save_adapter_version, model, path, is_main=self.is_main)
+            source = WeightSource(path=path, adapter=True)
+        elif self.on_disk:
             assert self.weights_dir is not None, "HTTP servers that load from disk need a weights_dir"
             path = self.weights_dir / f"v{version}"
             await asyncio.to_thread(joint.save_version, model, self.tokenizer, path, is_main=self.is_main)
@@ -288,9 +309,14 @@ class Fleet:
             except Exception as exc:
                 await self._hooks.failed(exc)
                 raise
+        if self.adapters:
+            assert isinstance(self.engine, SGLangClient)
+            await self._survive(lambda: self.engine.unload_adapters(self.adapters), "unloading old adapters")
         if source.path is not None and self.is_main and self.weights_dir is not None:
+            # SGLang reloads an adapter it evicted from its directory when a request names it: keep those.
+            keep = max(KEEP_VERSIONS, self.adapters + 1)
             for old in self.weights_dir.glob("v*"):
-                if old.name[1:].isdigit() and int(old.name[1:]) <= version - KEEP_VERSIONS:
+                if old.name[1:].isdigit() and int(old.name[1:]) <= version - keep:
                     shutil.rmtree(old, ignore_errors=True)
 
     async def _verify(self, source: WeightSource, version: int, reference: list[float]) -> None:
@@ -313,7 +339,9 @@ class Fleet:
         """Load ``source`` as ``version`` on every engine; a restarted server starts from it (disk only: under
         the distributed method a restarted server serves its start weights until the next push, and the
         staleness bound drops what it generates before then)."""
-        if source.path is not None:
+        if source.adapter:
+            self.latest_adapter = (Path(source.path), int(version))
+        elif source.path is not None:
             self.latest = (Path(source.path), int(version))
         if self.weight_sync is not None and source.state_dict is not None:
             await self._survive(lambda: self._to_workers(lambda: self._broadcast(source.state_dict, version)),
@@ -454,6 +482,9 @@ class Fleet:
         await asyncio.to_thread(server.start, model_dir=model_dir, weight_version=version)
         assert isinstance(self.engine, SGLangClient)
         await self.engine.wait_healthy(self.health_timeout_s)
+        if self.latest_adapter is not None:  # it starts from the base model: give it the adapter requests name
+            path, version = self.latest_adapter
+            await self.engine.load_adapter(path, version, urls=[server.url])
         log.warning("rollout server %s is back", server.url)
         self._healthy.set()
 

@@ -8,6 +8,8 @@ Everything else under app/rollout talks to engines (in process or over HTTP) and
   sent. Under FSDP2 it is a collective: every trainer rank takes part;
 - `save_version`: the Hugging Face directory of a version that servers load with /update_weights_from_disk
   (gathered by every rank, written by rank 0; every rank returns once it is complete);
+- `save_adapter_version`: a LoRA run's version as its PEFT adapter directory alone (/load_lora_adapter), the
+  same way;
 - `reference_logprobs`: the trainer's float32 log-probabilities of a token sequence, with the weights rounded to
   the engines' weight dtype, what the weight-publication check (app/rollout/probe.py) compares every engine with
   (a collective forward under FSDP2);
@@ -18,6 +20,7 @@ Everything else under app/rollout talks to engines (in process or over HTTP) and
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch
@@ -26,11 +29,13 @@ from torch import Tensor
 from trainer.checkpoint import save_hf_checkpoint
 from trainer.distributed import barrier
 from trainer.logprobs import token_logprobs
+from trainer.lora import lora_of, lora_weights, save_adapter
 from trainer.precision import weights_rounded_to
 from trainer.weights import WeightUpdateGroup, plan_buckets, state_dict_for_sync, tensor_specs
 
 __all__ = [
-    "WeightUpdateGroup", "gather_weights", "plan_buckets", "reference_logprobs", "save_version", "tensor_specs",
+    "WeightUpdateGroup", "gather_weights", "plan_buckets", "reference_logprobs", "save_adapter_version",
+    "save_version", "tensor_specs",
 ]  # fmt: skip
 
 
@@ -63,3 +68,22 @@ def save_version(model: torch.nn.Module, tokenizer, path: Path, *, is_main: bool
     save_hf_checkpoint(model, tokenizer, path, is_main=is_main)
     barrier()
     return Path(path)
+
+
+def save_adapter_version(model: torch.nn.Module, path: Path, *, is_main: bool) -> Path:
+    """Write the LoRA adapter of ``model`` alone as the PEFT directory ``path`` (adapter_config.json +
+    adapter_model.safetensors, a few MB): every rank gathers the adapter, rank 0 writes it (into a temporary
+    sibling, then renamed), and all wait until it is complete."""
+    lora = lora_of(model)
+    if lora is None:
+        raise ValueError("an adapter publication needs a LoRA model (trainer.lora.rank > 0)")
+    weights = lora_weights(model)  # collective under FSDP2
+    path = Path(path)
+    if is_main:
+        tmp = path.with_name(f".{path.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(weights, lora, getattr(model.config, "_name_or_path", ""), tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)
+    barrier()
+    return path

@@ -29,6 +29,16 @@ whose tokens were produced by several versions (``weight_versions`` spans, an up
 gets the *oldest* of them as ``policy_version``, so a staleness bound on it is never too lenient; the spans
 themselves are in ``Completion.meta["weight_versions"]`` (versions as ints).
 
+LoRA adapters (``rollout.sglang.lora_adapters``, SGLang on GPUs started with ``--enable-lora``). A version can
+arrive as a PEFT adapter directory (``WeightSource(path=..., adapter=True)``) instead of full weights:
+``POST /load_lora_adapter {"lora_name": "v<N>", "lora_path": <dir>}`` on every server, and from then on every
+``/generate`` and probe request names it (``"lora_path": "v<N>"``: SGLang's field takes the adapter's *name*). A
+request that names no adapter is answered by the base model, silently, so once a client has loaded one it never
+sends a request without it. A completion's ``policy_version`` is the version of the adapter its request named
+when it was issued (the base weights, and so SGLang's ``weight_version`` label, never change). ``unload_adapters``
+removes all but the newest ``keep`` (``POST /unload_lora_adapter``; SGLang waits for the requests that use one
+before it goes); the fleet keeps ``max_lag + 1`` resident.
+
 Failures. Connection errors, timeouts (``timeout_s`` bounds each request as a whole) and 5xx answers are
 retried up to ``max_retries`` times with exponential back-off and jitter (so is 429, "busy"); a ``/generate`` request moves to the
 next server on each retry, a per-server call (weight update, cache flush) retries the same server. When the
@@ -69,6 +79,7 @@ import httpx
 
 from app.rollout.base import Completion, ProbeReading, SamplingParams, WeightSource
 from app.rollout.router import worker_urls
+from app.rollout.sglang_answers import RolloutResponseError, SGLangError, parse_generate
 from app.rollout.sglang_config import SGLangClientConfig
 from app.rollout.sglang_config import (
     WeightSyncConfig as WeightSyncConfig,  # re-exported: the section lives there
@@ -76,15 +87,10 @@ from app.rollout.sglang_config import (
 
 log = logging.getLogger(__name__)
 
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _MAX_BACKOFF_S = 30.0
 """Cap of one back-off sleep, whatever the attempt number."""
 _HEALTH_PROBE_TIMEOUT_S = 10.0
 """Time limit of one GET /health probe; SGLang answers it at once unless it runs a health generation."""
-
-
-class SGLangError(RuntimeError):
-    """Base of the errors this client raises."""
 
 
 class RolloutServerError(SGLangError):
@@ -93,10 +99,6 @@ class RolloutServerError(SGLangError):
 
 class RolloutRequestError(SGLangError):
     """A server rejected a request (HTTP 4xx, or ``success: false``); retrying would not help."""
-
-
-class RolloutResponseError(SGLangError):
-    """A server answered 2xx with a body that does not fit SGLang's documented shape."""
 
 
 class SGLangClient:
@@ -123,6 +125,10 @@ class SGLangClient:
         ``wait_healthy`` at first and then by the fleet before each push, from ``healthy_workers``)."""
         self.policy_version = int(policy_version)
         self._labels: dict[str, int] = {}
+        self.adapter: tuple[int, str] | None = None
+        """(version, name) of the LoRA adapter every new request names; None: no adapter (full weights)."""
+        self.adapters: dict[int, Path] = {}
+        """The adapters loaded on the servers, by version: their directories (a restarted server gets the newest)."""
         self._next_server = 0
         self._slots = {url: asyncio.Semaphore(cfg.max_concurrency) for url in self._targets}
         self._rng = random.Random()
@@ -206,90 +212,18 @@ class SGLangClient:
             # One seed per request, so that splitting a call into requests does not repeat the same draws.
             sampling["sampling_seed"] = params.seed + index
         body = {"input_ids": [list(p) for p in chunk], "sampling_params": sampling, "return_logprob": True}
+        adapter = self.adapter  # the version this request is issued under, whatever is loaded while it runs
+        if adapter is not None:
+            body["lora_path"] = adapter[1]
         what = f"/generate request {index + 1}/{num_chunks} (prompts {start}..{start + len(chunk) - 1})"
         url, payload = await self._call(
             "POST", "/generate", body, what=what, servers=self._rotation(first_server), limit=True
         )
-        completions = self._parse_generate(payload, chunk, params.n, url=url, what=what)
+        completions = parse_generate(
+            payload, chunk, params.n, url=url, what=what, version_of=self._version_of, adapter=adapter
+        )
         if progress is not None:
             progress(len(completions))
-        return completions
-
-    def _parse_generate(
-        self, payload: Any, chunk: list[list[int]], n: int, *, url: str, what: str
-    ) -> list[Completion]:
-        def bad(message: str) -> RolloutResponseError:
-            return RolloutResponseError(f"{url}: malformed answer to {what}: {message}")
-
-        items = [payload] if isinstance(payload, dict) else payload
-        if not isinstance(items, list) or len(items) != len(chunk) * n:
-            got = f"{len(items)} items" if isinstance(items, list) else type(payload).__name__
-            raise bad(f"expected a list of {len(chunk)} prompts x n={n} = {len(chunk) * n} items, got {got}")
-        completions = []
-        for k, item in enumerate(items):
-            prompt_index, sample = divmod(k, n)
-            where = f"item {k} (prompt {prompt_index}, sample {sample})"
-            meta = item.get("meta_info") if isinstance(item, dict) else None
-            if not isinstance(meta, dict):
-                raise bad(f"{where} has no meta_info object")
-            triples = meta.get("output_token_logprobs")
-            if not isinstance(triples, list):
-                raise bad(f"{where} has no meta_info.output_token_logprobs (was return_logprob honoured?)")
-            output_ids = item.get("output_ids")
-            if output_ids is None:  # servers with a tokenizer may answer text; the ids are in the triples
-                output_ids = [t[1] for t in triples if isinstance(t, list) and len(t) >= 2]
-            if not isinstance(output_ids, list) or len(output_ids) != len(triples):
-                raise bad(
-                    f"{where} has {len(output_ids) if isinstance(output_ids, list) else output_ids!r} "
-                    f"output_ids but {len(triples)} output_token_logprobs"
-                )
-            logprobs = []
-            for j, (token, triple) in enumerate(zip(output_ids, triples, strict=True)):
-                if not (
-                    isinstance(triple, list)
-                    and len(triple) >= 2
-                    and isinstance(triple[0], (int, float))
-                    and not isinstance(triple[0], bool)
-                ):
-                    raise bad(
-                        f"{where} output_token_logprobs[{j}] = {triple!r} is not [logprob, token_id, text]"
-                    )
-                if triple[1] != token:
-                    raise bad(
-                        f"{where} output_token_logprobs[{j}] is for token {triple[1]}, output_ids has {token}"
-                    )
-                logprobs.append(float(triple[0]))
-            reason = meta.get("finish_reason")
-            kind = reason.get("type") if isinstance(reason, dict) else reason
-            if kind not in _FINISH_REASONS:
-                raise bad(f"{where} has finish_reason {reason!r}; expected type stop, length or abort")
-            extra: dict[str, Any] = {"server": url, "weight_version": meta.get("weight_version")}
-            version = self._version_of(meta.get("weight_version"))
-            spans = meta.get("weight_versions")
-            if isinstance(spans, list) and spans:
-                extra["weight_versions"] = [
-                    {
-                        "version": self._version_of(s.get("version")),
-                        "start": s.get("start"),
-                        "end": s.get("end"),
-                    }
-                    for s in spans
-                    if isinstance(s, dict)
-                ]
-                if extra["weight_versions"]:
-                    version = min(s["version"] for s in extra["weight_versions"])
-            if kind == "abort" and isinstance(reason, dict) and reason.get("message"):
-                extra["abort_message"] = reason["message"]
-            completions.append(
-                Completion(
-                    prompt_ids=list(chunk[prompt_index]),
-                    output_ids=[int(t) for t in output_ids],
-                    output_logprobs=logprobs,
-                    finish_reason=_FINISH_REASONS[kind],
-                    policy_version=version,
-                    meta=extra,
-                )
-            )
         return completions
 
     async def score(self, ids: list[int]) -> list[ProbeReading]:
@@ -303,6 +237,8 @@ class SGLangClient:
             "return_logprob": True,
             "logprob_start_len": 0,
         }
+        if self.adapter is not None:
+            body["lora_path"] = self.adapter[1]
         return list(await asyncio.gather(*(self._score_one(url, body) for url in self.urls)))
 
     async def _score_one(self, url: str, body: dict) -> ProbeReading:
@@ -327,7 +263,12 @@ class SGLangClient:
                 raise RolloutResponseError(f"{url}: input_token_logprobs[{t}] = {triple!r} has no finite logprob")
             logprobs.append(float(value))
         label = meta.get("weight_version")
+        if "lora_path" in body:  # the server answered with the adapter named (SGLang rejects an unknown name)
+            label = str(self._version_of_adapter(body["lora_path"]))
         return ProbeReading(url, None if label is None else str(label), logprobs)
+
+    def _version_of_adapter(self, name: str) -> int:
+        return int(name.removeprefix("v"))
 
     def _version_of(self, label: Any) -> int:
         """SGLang weight_version label -> policy version (module docstring: numeric, else first-seen)."""
@@ -348,6 +289,9 @@ class SGLangClient:
 
         The update waits for the requests in flight (their tokens all come from the old weights) unless
         ``abort_all_requests``: they then end at once with finish_reason "abort"."""
+        if source.adapter:
+            await self.load_adapter(Path(source.path), version)
+            return
         if source.path is None:
             raise ValueError(
                 "SGLangClient cannot send an in-memory state_dict over HTTP: save the weights as a Hugging "
@@ -373,6 +317,56 @@ class SGLangClient:
         if not (isinstance(answer, dict) and answer.get("success") is True):
             message = answer.get("message") if isinstance(answer, dict) else answer
             raise RolloutRequestError(f"{url}: {what} was not applied: {message!r}")
+
+    # ---------------------------------------------------------------- LoRA adapters
+
+    async def load_adapter(self, path: Path, version: int, *, urls: list[str] | None = None) -> None:
+        """Load the PEFT adapter directory ``path`` as ``v<version>`` on every server (or on ``urls``), then name
+        it in every new request (module docstring). Loading a version again (a publish retried after a failed
+        check) replaces the one loaded under its name."""
+        name = f"v{int(version)}"
+        body = {"lora_name": name, "lora_path": str(Path(path).resolve())}
+        await asyncio.gather(*(self._load_adapter_one(url, body) for url in (urls or self.urls)))
+        self.adapters[int(version)] = Path(path)
+        if urls is None:
+            self.adapter = (int(version), name)
+            self.policy_version = int(version)
+
+    async def _load_adapter_one(self, url: str, body: dict) -> None:
+        what = f"/load_lora_adapter (lora_name={body['lora_name']}, lora_path={body['lora_path']})"
+        for attempt in range(2):
+            try:
+                _, answer = await self._call("POST", "/load_lora_adapter", body, what=what, servers=[url])
+            except RolloutRequestError as exc:
+                if attempt == 0 and "already loaded" in str(exc):  # the same version again: replace it
+                    await self._unload_adapter_one(url, body["lora_name"])
+                    continue
+                raise RolloutRequestError(
+                    f"{exc} (the server must run with --enable-lora, --max-lora-rank >= the adapter's rank and "
+                    "--lora-target-modules covering its modules: rollout.sglang.launch does this for servers it "
+                    "starts)"
+                ) from None
+            if not (isinstance(answer, dict) and answer.get("success") is True):
+                message = answer.get("error_message") if isinstance(answer, dict) else answer
+                raise RolloutRequestError(f"{url}: {what} was not applied: {message!r}")
+            return
+
+    async def unload_adapters(self, keep: int) -> None:
+        """Unload every adapter but the newest ``keep`` (>= 1) from every server. An adapter the server already
+        evicted (SGLang's ``--max-loaded-loras``) counts as gone."""
+        if keep < 1:
+            raise ValueError(f"keep={keep}: the adapter new requests name must stay loaded")
+        for version in sorted(self.adapters)[:-keep]:
+            await asyncio.gather(*(self._unload_adapter_one(url, f"v{version}") for url in self.urls))
+            del self.adapters[version]
+
+    async def _unload_adapter_one(self, url: str, name: str) -> None:
+        try:
+            await self._call("POST", "/unload_lora_adapter", {"lora_name": name},
+                             what=f"/unload_lora_adapter (lora_name={name})", servers=[url])  # fmt: skip
+        except RolloutRequestError as exc:
+            if "does not exist" not in str(exc):
+                raise
 
     # ---------------------------------------------------------------- health and admin
 
@@ -645,13 +639,14 @@ def _decode(response: httpx.Response) -> Any:
 
 
 def _message(response: httpx.Response) -> str:
-    """The server's own error message: SGLang's ``{"error": ...}``, FastAPI's ``{"detail": ...}``, or the text."""
+    """The server's own error message: SGLang's ``{"error": ...}`` (``{"error_message": ...}`` from its LoRA routes),
+    FastAPI's ``{"detail": ...}``, or the text."""
     try:
         body = response.json()
     except ValueError:
         return response.text.strip()[:500]
     if isinstance(body, dict):
-        for key in ("error", "detail", "message"):
+        for key in ("error", "error_message", "detail", "message"):
             if key in body:
                 value = body[key]
                 if isinstance(value, dict) and "message" in value:

@@ -87,6 +87,13 @@ class SGLangClientConfig:
     connecting to `urls`; the run restarts them if they die or hang."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     """How each new policy version reaches the servers: from disk, or broadcast over NCCL/gloo."""
+    lora_adapters: bool = False
+    """A LoRA run (trainer.lora.rank > 0) publishes each version as its PEFT adapter, which the servers load with
+    POST /load_lora_adapter and every request names (app/rollout/sglang.py): megabytes a version instead of the
+    whole model, with ``max_lag + 1`` versions resident. SGLang on GPUs only: its ``--enable-lora`` does not run on
+    the CPU backend (sglang #31894). Servers the run starts get the LoRA flags; servers given by URL must have been
+    started with ``--enable-lora --max-lora-rank <r> --lora-target-modules all``. False: every version is the
+    merged full weights, for every engine."""
 
     def __post_init__(self) -> None:
         if self.router and not self.router.startswith(("http://", "https://")):

@@ -155,6 +155,23 @@ class SGLangLaunchConfig:
         return self.max_total_tokens
 
 
+@dataclass(frozen=True)
+class LoraServing:
+    """The ``--enable-lora`` flags of servers that load per-version adapters (``rollout.sglang.lora_adapters``)."""
+
+    rank: int
+    """The largest adapter rank they take (``--max-lora-rank``): trainer.lora.rank."""
+    slots: int
+    """Adapters resident at once (``--max-loaded-loras``, ``--max-loras-per-batch``): rollout.max_lag + 1 versions,
+    and one more for a request that names none (SGLang counts the base model as one)."""
+    target_modules: tuple[str, ...] = ("all",)
+    """``--lora-target-modules``: ``all`` (every linear layer SGLang can adapt), or trainer.lora.target_modules."""
+
+    def args(self) -> list[str]:
+        return ["--enable-lora", "--max-lora-rank", str(self.rank), "--lora-target-modules", *self.target_modules,
+                "--max-loras-per-batch", str(self.slots), "--max-loaded-loras", str(self.slots)]  # fmt: skip
+
+
 class SGLangServerProcess(ServerProcess):
     """One ``python -m sglang.launch_server`` child serving ``model_dir`` (a `ServerProcess`, app/rollout/process.py).
 
@@ -168,6 +185,7 @@ class SGLangServerProcess(ServerProcess):
         node_index: its position on its own machine (its port offset and GPUs); None: ``index`` (one node).
             GPUs and ports are per machine: past one node, server ``index`` of the run is not the
             ``index``-th GPU of the machine it runs on.
+        lora: the LoRA flags, for servers that load per-version adapters; None: full weights only.
     """
 
     start_error = SGLangLaunchError
@@ -182,8 +200,9 @@ class SGLangServerProcess(ServerProcess):
         log_path: str | Path,
         weight_version: int | str = 0,
         port: int = 0,
+        lora: LoraServing | None = None,
     ) -> None:
-        self.cfg, self.index = cfg, index
+        self.cfg, self.index, self.lora = cfg, index, lora
         self.node_index = index if node_index is None else node_index
         local = self.node_index
         env: dict[str, str] = {}
@@ -241,6 +260,8 @@ class SGLangServerProcess(ServerProcess):
             args += ["--served-model-name", cfg.served_model_name]
         if cfg.random_seed is not None:
             args += ["--random-seed", str(cfg.random_seed + self.index)]
+        if self.lora is not None:
+            args += self.lora.args()
         return args + list(cfg.extra_args)
 
     def not_found_message(self, command: list[str], err: OSError) -> str:
@@ -258,6 +279,7 @@ def launch_servers(
     weight_version: int | str = 0,
     first_index: int = 0,
     first_node_index: int | None = None,
+    lora: LoraServing | None = None,
 ) -> list[SGLangServerProcess]:
     """Start ``cfg.num_servers`` SGLang servers of ``model_dir`` and wait until all are healthy.
 
@@ -280,7 +302,7 @@ def launch_servers(
         SGLangServerProcess(
             model_dir, cfg, index=first_index + i, node_index=(first_index if first_node_index is None else
             first_node_index) + i, log_path=Path(log_dir) / f"sglang-{first_index + i}.log",
-            weight_version=weight_version,
+            weight_version=weight_version, lora=lora,
         )  # fmt: skip
         for i in range(cfg.num_servers)
     ]

@@ -29,6 +29,7 @@ from app.evaluation.held_out import HeldOut
 from app.rollout.base import SamplingParams
 from app.rollout.fleet import Fleet
 from app.rollout.probe import PublishCheck, probe_ids
+from app.rollout.sglang_server import LoraServing
 from app.scoring import rewards_with_sandbox
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
@@ -273,14 +274,20 @@ def start_fleet(
     if r.dtype == "bfloat16" and r.engine != "sglang" and (problem := bf16_hardware_problem("cpu")) is not None:
         log.warning("rollout.dtype=bfloat16: %s", problem)
     version = resume.step
-    engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None else model_dir
+    adapters = r.sglang.lora_adapters  # servers keep the base model and load each version's adapter
+    engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None and not adapters else model_dir
+    lora = cfg.trainer.lora
+    serving = LoraServing(
+        rank=lora.rank, slots=r.max_lag + 2,
+        target_modules=("all",) if lora.target_modules == ["all-linear"] else tuple(lora.target_modules),
+    ) if adapters else None  # fmt: skip
     opened = closing.enter_context(
         open_engine(
             r.engine,
             engine_dir,
             EngineOptions(
                 max_batch_size=r.max_batch_size, sglang=r.sglang, log_dir=cfg.run.path, weight_version=version,
-                rank=dist.rank, local_rank=dist.local_rank, wait=False, dtype=r.dtype,
+                rank=dist.rank, local_rank=dist.local_rank, wait=False, dtype=r.dtype, lora=serving,
             ),  # fmt: skip
         )
     )
@@ -297,8 +304,11 @@ def start_fleet(
         check=PublishCheck(r.publish_check, probe_ids(tokenizer), engine_weight_dtype(cfg, opened.kind))
         if r.publish_check.enabled
         else None,
+        adapters=r.max_lag + 1 if adapters else 0,
     )
-    if resume.checkpoint is not None and opened.kind == "sglang":
+    if resume.checkpoint is not None and adapters:
+        fleet.latest_adapter = (resume.checkpoint / "adapter", version)  # loaded on every server by Fleet.connect
+    elif resume.checkpoint is not None and opened.kind == "sglang":
         fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect
     return fleet
 

@@ -5,6 +5,9 @@ the response shapes SGLang 0.5.23 was seen to produce (tests/sglang checks them 
 ``[logprob, token_id, null]`` triples, tagged ``finish_reason`` objects, ``weight_version`` plus
 ``weight_versions`` spans, 400 ``{"error": "unknown field ..."}`` for an unknown ``sampling_params`` key, 503 from
 /health while starting. It can be told to fail: drop the connection mid-answer, answer 5xx/4xx, delay.
+Its LoRA routes (/load_lora_adapter, /unload_lora_adapter, ``lora_path`` in /generate) follow SGLang 0.5.23's
+source (entrypoints/http_server.py, managers/tokenizer_manager.py, lora/lora_registry.py): they run only on GPUs
+(``--enable-lora`` fails on the CPU backend), so tests/gpu/test_sglang_lora_gpu.py checks them live.
 
 Its generation rule is a fixed function of (prompt, sample index, position), so each test can say exactly which
 tokens belong to which prompt and sample:
@@ -68,6 +71,8 @@ class FakeSGLang:
     weight_version: str = "default"
     spans: list | None = None
     update_success: bool = True
+    loras: dict = field(default_factory=dict)
+    """LoRA adapters loaded: name -> path."""
     requests: list = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
@@ -104,7 +109,19 @@ def build_app(fake: FakeSGLang) -> object:
             unknown = set(body["sampling_params"]) - SGLANG_SAMPLING_KEYS
             if unknown:
                 return JSONResponse({"error": f"unknown field `{sorted(unknown)[0]}`"}, status_code=400)
+            lora = body.get("lora_path")
+            if lora is not None and lora not in fake.loras:
+                message = f"Got LoRA adapter that has never been loaded: {lora}\nAll loaded adapters: {fake.loras}."
+                return JSONResponse({"error": {"message": message}}, status_code=400)
             sampling = body["sampling_params"]
+            if body["input_ids"] and isinstance(body["input_ids"][0], int):  # one prompt, not a batch
+                if body.get("logprob_start_len") == 0:  # a probe: its input tokens' logprobs
+                    shift = int(lora[1:]) / 100 if lora else 0.0  # each adapter scores it apart
+                    triples = [[None if j == 0 else -0.5 - shift, t, None] for j, t in enumerate(body["input_ids"])]
+                    return {"text": "", "output_ids": [1], "meta_info": {
+                        "input_token_logprobs": triples, "output_token_logprobs": [[-0.1, 1, None]],
+                        "finish_reason": {"type": "length", "length": 1}, "weight_version": fake.weight_version}}
+                body["input_ids"] = [body["input_ids"]]
             n, max_new = sampling.get("n", 1), sampling.get("max_new_tokens", 128)
             stops = set(sampling.get("stop_token_ids") or [])
             items = []
@@ -149,6 +166,28 @@ def build_app(fake: FakeSGLang) -> object:
                                  "num_paused_requests": 0}, status_code=400)
         fake.weight_version = body.get("weight_version") or fake.weight_version
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await request.json()
+        name, path = body["lora_name"], body["lora_path"]
+        if name in fake.loras:
+            error = f"Failed to load LoRA adapter {name} because it is already loaded"
+        elif not (Path(path) / "adapter_config.json").is_file():
+            error = f"Failed to load LoRA adapter {name}: no adapter_config.json in {path}"
+        else:
+            fake.loras[name] = path
+            return {"success": True, "error_message": "", "loaded_adapters": dict(fake.loras)}
+        return JSONResponse({"success": False, "error_message": error, "loaded_adapters": None}, status_code=400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        name = (await request.json())["lora_name"]
+        if name not in fake.loras:
+            error = f"LoRA with name {name} does not exist. Loaded LoRAs: {list(fake.loras)}"
+            return JSONResponse({"success": False, "error_message": error}, status_code=400)
+        del fake.loras[name]
+        return {"success": True, "error_message": "", "loaded_adapters": dict(fake.loras)}
 
     @app.post("/flush_cache")
     async def flush_cache():

@@ -172,6 +172,15 @@ def test_flatten_gives_dotted_keys():
         (["tracking.registered_model=team:model"], ["tracking.registered_model='team:model'"]),
         (["rewards.verifiers=[{name: math"], ["rewards.verifiers=[{name: math", "not valid YAML", "brackets"]),
         (["data.on_long_prompt=truncate"], ["data.on_long_prompt", "truncate", "drop"]),
+        # Per-version LoRA adapters: SGLang servers on GPUs, adapters on disk, a LoRA run.
+        (["rollout.sglang.lora_adapters=true", "trainer.lora.rank=8"],
+         ["rollout.sglang.lora_adapters=true", "rollout.engine=local takes merged weights"]),
+        (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.lora_adapters=true",
+          "rollout.sglang.weight_sync.method=distributed", "trainer.lora.rank=8"], ["weight_sync.method must be disk"]),
+        (["rollout.engine=sglang", "rollout.sglang.launch.num_servers=1", "rollout.sglang.launch.cpu=true",
+          "rollout.sglang.lora_adapters=true", "trainer.lora.rank=8"], ["launch.cpu=true", "sglang #31894"]),
+        (["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "rollout.sglang.lora_adapters=true"],
+         ["trainer.lora.rank=0 trains every weight", "set trainer.lora.rank"]),
     ],
 )
 def test_bad_values_name_the_key_the_value_and_the_fix(overrides, fragments):

@@ -1,0 +1,178 @@
+"""Per-version LoRA adapters on SGLang servers (``rollout.sglang.lora_adapters``), client and fleet, against the
+loopback SGLang of test_sglang_client.py with SGLang 0.5.23's LoRA routes (read in its source; SGLang runs them
+on GPUs only, so tests/gpu/test_sglang_lora_gpu.py checks them live).
+
+Covered: once an adapter is loaded every /generate and probe request names it, and a completion's version is the
+adapter its request named when it was issued, not the one loaded while it ran; loading a version again replaces
+it; ``unload_adapters`` keeps the newest ones and takes an adapter the server already evicted as gone; a server
+without the adapter and a directory that is no adapter are clear errors; the fleet writes each version as a PEFT
+directory of the LoRA matrices alone, loads it on every server, keeps ``max_lag + 1`` resident, and gives a
+restarted server (one that lost its adapters) the newest. Config errors are in tests/unit/test_config.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from app.rollout.base import SamplingParams, WeightSource
+from app.rollout.fleet import Fleet, PublishHooks, SupervisionConfig
+from app.rollout.sglang import RolloutRequestError, SGLangClient
+from app.rollout.sglang_server import LoraServing
+from tests.helpers import random_qwen2
+from trainer.lora import LoraConfig, apply_lora
+
+from .test_sglang_client import FakeSGLang, ServerThread, build_app, config
+
+PARAMS = SamplingParams(max_new_tokens=3, temperature=1.0, n=2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def servers():
+    fakes = [FakeSGLang(), FakeSGLang()]
+    threads = [ServerThread(build_app(fake)) for fake in fakes]
+    yield [(thread.url, fake) for thread, fake in zip(threads, fakes, strict=True)]
+    for thread in threads:
+        thread.stop()
+
+
+@pytest.fixture
+def two(servers):
+    for _, fake in servers:
+        fake.reset()
+    return servers
+
+
+def adapter_dir(root, name: str):
+    """A directory SGLang takes as an adapter (the fake checks for adapter_config.json)."""
+    path = root / name
+    path.mkdir()
+    (path / "adapter_config.json").write_text(json.dumps({"r": 8, "target_modules": "all-linear"}))
+    return path
+
+
+def bodies(fake: FakeSGLang, route: str) -> list[dict]:
+    return [json.loads(raw) for path, raw in fake.requests if path == route]
+
+
+def test_every_request_names_the_adapter_of_the_version_it_was_issued_under(two, tmp_path):
+    (url_a, fake_a), (url_b, fake_b) = two
+
+    async def go(client: SGLangClient):
+        before = await client.generate([[1, 2]], PARAMS)  # no adapter yet: the base model, no lora_path
+        await client.load_adapter(adapter_dir(tmp_path, "v1"), 1)
+        fake_a.delay_s = fake_b.delay_s = 0.3
+        slow = asyncio.ensure_future(client.generate([[3, 4], [5, 6]], PARAMS))  # issued under v1
+        await asyncio.sleep(0.1)
+        await client.load_adapter(adapter_dir(tmp_path, "v2"), 2)  # lands while those requests run
+        fake_a.delay_s = fake_b.delay_s = 0.0
+        during = await slow
+        after = await client.generate([[7, 8]], PARAMS)
+        readings = await client.score([1, 2, 3])
+        return before, during, after, readings
+
+    before, during, after, readings = asyncio.run(run_client(config(url_a, url_b, batch_size=1), go))
+    assert [c.policy_version for c in before] == [0, 0] and all("adapter" not in c.meta for c in before)
+    assert [c.policy_version for c in during] == [1] * 4 and {c.meta["adapter"] for c in during} == {"v1"}
+    assert [c.policy_version for c in after] == [2, 2] and {c.meta["adapter"] for c in after} == {"v2"}
+    for fake in (fake_a, fake_b):
+        assert fake.loras == {"v1": str((tmp_path / "v1").resolve()), "v2": str((tmp_path / "v2").resolve())}
+    names = [b.get("lora_path") for f in (fake_a, fake_b) for b in bodies(f, "/generate")]
+    assert sorted(names, key=str) == sorted([None, "v1", "v1", "v2", "v2", "v2"], key=str)  # 1+2+1 gens, 2 probes
+    # The probe names the adapter too, and each server's reading carries its version.
+    assert [r.weight_version for r in readings] == ["2", "2"]
+    assert all(lp == pytest.approx(-0.52) for r in readings for lp in r.logprobs)
+
+
+def test_loading_a_version_again_replaces_it_and_old_ones_are_unloaded(two, tmp_path):
+    (url_a, fake_a), (url_b, fake_b) = two
+
+    async def go(client: SGLangClient):
+        for version in (1, 2, 3):
+            await client.load_adapter(adapter_dir(tmp_path, f"v{version}"), version)
+        again = adapter_dir(tmp_path, "v3-again")
+        await client.load_adapter(again, 3)  # a publish retried after a failed check
+        del fake_b.loras["v1"]  # evicted by the server itself (--max-loaded-loras)
+        await client.unload_adapters(keep=2)
+        return sorted(client.adapters), client.adapter
+
+    resident, current = asyncio.run(run_client(config(url_a, url_b), go))
+    assert resident == [2, 3] and current == (3, "v3")
+    for fake in (fake_a, fake_b):
+        assert sorted(fake.loras) == ["v2", "v3"] and fake.loras["v3"].endswith("v3-again")
+    with pytest.raises(ValueError, match="must stay loaded"):
+        asyncio.run(run_client(config(url_a), lambda client: client.unload_adapters(keep=0)))
+
+
+def test_a_server_without_the_adapter_and_a_directory_that_is_no_adapter_are_clear_errors(two, tmp_path):
+    (url_a, fake_a), (url_b, _) = two
+
+    async def go(client: SGLangClient):
+        await client.load_adapter(adapter_dir(tmp_path, "v1"), 1)
+        fake_a.loras.clear()  # e.g. restarted without it
+        await client.generate([[1, 2]], PARAMS)
+
+    with pytest.raises(RolloutRequestError, match="never been loaded: v1"):
+        asyncio.run(run_client(config(url_a, batch_size=1), go))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RolloutRequestError, match=r"no adapter_config.json.*--enable-lora, --max-lora-rank"):
+        asyncio.run(run_client(config(url_b), lambda c: c.load_adapter(tmp_path / "empty", 1)))
+
+
+def test_the_fleet_publishes_adapters_keeps_max_lag_plus_one_and_reloads_a_restarted_server(two, tmp_path):
+    (url_a, fake_a), (url_b, fake_b) = two
+    model = apply_lora(random_qwen2(0), LoraConfig(rank=4))
+
+    async def go():
+        client = SGLangClient(config(url_a, url_b))
+        fleet = Fleet(client, [], SupervisionConfig(), health_timeout_s=5.0, weights_dir=tmp_path / "weights",
+                      adapters=2)  # fmt: skip
+        held: list[int] = []
+
+        async def record(version: int) -> None:
+            held.append(version)
+
+        async def failed(exc: BaseException) -> None:
+            raise AssertionError(f"no push should fail: {exc}")
+
+        await fleet.connect(PublishHooks(held=record, failed=failed))
+        for version in (1, 2, 3):
+            with torch.no_grad():
+                for name, param in model.named_parameters():
+                    if "lora_B" in name:
+                        param.fill_(0.1 * version)
+            await fleet.publish(model, version)
+        await fleet.flush()
+        fake_b.loras.clear()  # a server that came back from the base model, as the watchdog restarts it
+        path, version = fleet.latest_adapter
+        await client.load_adapter(path, version, urls=[url_b])
+        await fleet.close()
+        return held, client.adapter
+
+    held, current = asyncio.run(go())
+    assert held == [1, 2, 3] and current == (3, "v3")
+    assert sorted(fake_a.loras) == ["v2", "v3"] and sorted(fake_b.loras) == ["v3"]
+    v3 = tmp_path / "weights" / "v3"
+    config_json = json.loads((v3 / "adapter_config.json").read_text())
+    weights = load_file(v3 / "adapter_model.safetensors")
+    assert config_json["r"] == 4 and weights and all(".lora_" in key for key in weights)  # the adapter alone
+    assert all(torch.allclose(w, torch.full_like(w, 0.3)) for k, w in weights.items() if "lora_B" in k)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2", "v3"]
+
+
+def test_lora_serving_flags():
+    flags = LoraServing(rank=8, slots=3).args()
+    assert flags == ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "all",
+                     "--max-loras-per-batch", "3", "--max-loaded-loras", "3"]  # fmt: skip
+    assert LoraServing(rank=4, slots=2, target_modules=("q_proj", "v_proj")).args()[4:6] == ["q_proj", "v_proj"]
+    with pytest.raises(ValueError, match="adapter's directory"):
+        WeightSource(state_dict={}, adapter=True)
+
+
+async def run_client(cfg, body):
+    async with SGLangClient(cfg) as client:
+        return await body(client)
