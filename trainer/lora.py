@@ -9,7 +9,8 @@ exactly where the base is). Only the LoRA matrices require gradients; the optimi
 
 Where the weights leave the trainer they are merged, ``W + (alpha / r) B A``, under the base model's own names
 (`merged_state_dict`): every published version (disk or broadcast, so the built-in server and SGLang load a
-plain model; SGLang's ``--enable-lora`` does not run on its CPU backend) and every checkpoint's ``model/``
+plain model; SGLang's ``--enable-lora`` does not run on its CPU backend), unless ``rollout.sglang.lora_adapters``
+publishes the adapter alone to SGLang GPU servers (`lora_weights`, app/rollout/fleet.py), and every checkpoint's ``model/``
 directory, which ``serve``, ``eval`` and ``train`` take like any other. Each checkpoint also keeps the adapter
 alone as a PEFT directory (``adapter/``: adapter_config.json + adapter_model.safetensors, loadable with
 ``peft.PeftModel.from_pretrained(base, dir)``).

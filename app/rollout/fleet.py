@@ -19,7 +19,9 @@ version travels is chosen here, from the engine and ``rollout.sglang.weight_sync
   matrices alone, rank 0 writes ``weights_dir/v<N>/`` as a PEFT adapter directory
   (`app.rollout.joint.save_adapter_version`), each rank's servers load it (/load_lora_adapter) and every later
   request names it; once the version is checked, adapters older than the newest ``adapters`` (``max_lag + 1``)
-  are unloaded. A restarted server starts from the base model and gets the newest adapter;
+  are unloaded (best effort). A restarted server starts from the base model and gets the resident adapters;
+  the newest ``max(3, adapters + 1)`` version directories stay on disk (SGLang reloads an adapter a late
+  request names from its directory);
 - **distributed** (SGLang, ``method=distributed``): every rank gathers and casts the state dict
   (`app.rollout.joint.gather_weights`) and broadcasts it to its own servers over NCCL/gloo
   (app/rollout/weight_sync.py); nothing touches the file system;
@@ -309,9 +311,12 @@ class Fleet:
             except Exception as exc:
                 await self._hooks.failed(exc)
                 raise
-        if self.adapters:
+        if self.adapters:  # best effort: SGLang's --max-loaded-loras evicts the least recently used anyway
             assert isinstance(self.engine, SGLangClient)
-            await self._survive(lambda: self.engine.unload_adapters(self.adapters), "unloading old adapters")
+            try:
+                await self._survive(lambda: self.engine.unload_adapters(self.adapters), "unloading old adapters")
+            except Exception as exc:  # noqa: BLE001 - the version is held and checked; an old adapter may stay
+                log.warning("unloading adapters older than version %d failed: %s", version, exc)
         if source.path is not None and self.is_main and self.weights_dir is not None:
             # SGLang reloads an adapter it evicted from its directory when a request names it: keep those.
             keep = max(KEEP_VERSIONS, self.adapters + 1)
@@ -482,9 +487,11 @@ class Fleet:
         await asyncio.to_thread(server.start, model_dir=model_dir, weight_version=version)
         assert isinstance(self.engine, SGLangClient)
         await self.engine.wait_healthy(self.health_timeout_s)
-        if self.latest_adapter is not None:  # it starts from the base model: give it the adapter requests name
-            path, version = self.latest_adapter
-            await self.engine.load_adapter(path, version, urls=[server.url])
+        if self.adapters:  # it starts from the base model: give it the adapters requests name
+            await self.engine.reload_adapters(urls=[server.url])
+            if self.latest_adapter is not None and self.latest_adapter[1] not in self.engine.adapters:
+                path, version = self.latest_adapter  # a push in flight: it will load it everywhere again
+                await self.engine.load_adapter(path, version, urls=[server.url])
         log.warning("rollout server %s is back", server.url)
         self._healthy.set()
 

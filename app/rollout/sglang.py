@@ -31,8 +31,10 @@ themselves are in ``Completion.meta["weight_versions"]`` (versions as ints).
 
 LoRA adapters (``rollout.sglang.lora_adapters``, SGLang on GPUs started with ``--enable-lora``). A version can
 arrive as a PEFT adapter directory (``WeightSource(path=..., adapter=True)``) instead of full weights:
-``POST /load_lora_adapter {"lora_name": "v<N>", "lora_path": <dir>}`` on every server, and from then on every
-``/generate`` and probe request names it (``"lora_path": "v<N>"``: SGLang's field takes the adapter's *name*). A
+``POST /load_lora_adapter {"lora_name": "tb-<client>-v<N>", "lora_path": <dir>}`` on every server (the name is
+unique to this client, so a server reused across runs never answers with another run's adapter of the same
+version), and from then on every ``/generate`` and probe request names it (``"lora_path"``: SGLang's field takes
+the adapter's *name*). A
 request that names no adapter is answered by the base model, silently, so once a client has loaded one it never
 sends a request without it. A completion's ``policy_version`` is the version of the adapter its request named
 when it was issued (the base weights, and so SGLang's ``weight_version`` label, never change). ``unload_adapters``
@@ -71,6 +73,7 @@ import asyncio
 import logging
 import math
 import random
+import secrets
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
@@ -128,7 +131,8 @@ class SGLangClient:
         self.adapter: tuple[int, str] | None = None
         """(version, name) of the LoRA adapter every new request names; None: no adapter (full weights)."""
         self.adapters: dict[int, Path] = {}
-        """The adapters loaded on the servers, by version: their directories (a restarted server gets the newest)."""
+        """The adapters loaded on the servers, by version: their directories (a restarted server gets them)."""
+        self._adapter_prefix = f"tb-{secrets.token_hex(4)}-v"
         self._next_server = 0
         self._slots = {url: asyncio.Semaphore(cfg.max_concurrency) for url in self._targets}
         self._rng = random.Random()
@@ -212,15 +216,28 @@ class SGLangClient:
             # One seed per request, so that splitting a call into requests does not repeat the same draws.
             sampling["sampling_seed"] = params.seed + index
         body = {"input_ids": [list(p) for p in chunk], "sampling_params": sampling, "return_logprob": True}
-        adapter = self.adapter  # the version this request is issued under, whatever is loaded while it runs
-        if adapter is not None:
-            body["lora_path"] = adapter[1]
         what = f"/generate request {index + 1}/{num_chunks} (prompts {start}..{start + len(chunk) - 1})"
-        url, payload = await self._call(
-            "POST", "/generate", body, what=what, servers=self._rotation(first_server), limit=True
-        )
+        sent: list[tuple[int, str] | None] = [None]
+
+        def name_the_adapter(body: dict) -> None:
+            # The version the request is sent under (once it holds a slot), whatever is loaded while it runs.
+            sent[0] = self.adapter
+            if sent[0] is not None:
+                body["lora_path"] = sent[0][1]
+
+        for attempt in range(2):
+            try:
+                url, payload = await self._call("POST", "/generate", body, what=what, servers=self._rotation(first_server),
+                                                limit=True, on_send=name_the_adapter)  # fmt: skip
+                break
+            except RolloutRequestError as exc:
+                if attempt or sent[0] is None or "never been loaded" not in str(exc):
+                    raise
+                # A server that lost its adapters (restarted, or a worker new behind a router): give them back.
+                log.warning("%s; loading the resident adapters on every server and sending it again", exc)
+                await self.reload_adapters()
         completions = parse_generate(
-            payload, chunk, params.n, url=url, what=what, version_of=self._version_of, adapter=adapter
+            payload, chunk, params.n, url=url, what=what, version_of=self._version_of, adapter=sent[0]
         )
         if progress is not None:
             progress(len(completions))
@@ -268,7 +285,11 @@ class SGLangClient:
         return ProbeReading(url, None if label is None else str(label), logprobs)
 
     def _version_of_adapter(self, name: str) -> int:
-        return int(name.removeprefix("v"))
+        return int(name.rsplit("-v", 1)[1])
+
+    def adapter_name(self, version: int) -> str:
+        """The name version ``version``'s adapter is loaded under on the servers."""
+        return f"{self._adapter_prefix}{int(version)}"
 
     def _version_of(self, label: Any) -> int:
         """SGLang weight_version label -> policy version (module docstring: numeric, else first-seen)."""
@@ -322,30 +343,42 @@ class SGLangClient:
 
     async def load_adapter(self, path: Path, version: int, *, urls: list[str] | None = None) -> None:
         """Load the PEFT adapter directory ``path`` as ``v<version>`` on every server (or on ``urls``), then name
-        it in every new request (module docstring). Loading a version again (a publish retried after a failed
-        check) replaces the one loaded under its name."""
-        name = f"v{int(version)}"
-        body = {"lora_name": name, "lora_path": str(Path(path).resolve())}
-        await asyncio.gather(*(self._load_adapter_one(url, body) for url in (urls or self.urls)))
-        self.adapters[int(version)] = Path(path)
+        it in every new request (module docstring). A version loaded before on every server (a publish
+        retried after a failed check) is replaced: unloaded, then loaded again. A server that holds it already
+        otherwise (a push resent after a server failed) keeps it."""
+        version = int(version)
+        replace = urls is None and version in self.adapters
+        body = {"lora_name": self.adapter_name(version), "lora_path": str(Path(path).resolve())}
+        await asyncio.gather(*(self._load_adapter_one(url, body, replace=replace) for url in (urls or self.urls)))
+        self.adapters[version] = Path(path)
         if urls is None:
-            self.adapter = (int(version), name)
-            self.policy_version = int(version)
+            self.adapter = (version, body["lora_name"])
+            self.policy_version = version
 
-    async def _load_adapter_one(self, url: str, body: dict) -> None:
+    async def reload_adapters(self, urls: list[str] | None = None) -> None:
+        """Load every resident adapter (oldest first) on every server, or on ``urls``, that lacks it: a server
+        that came back from the base model, or a worker new behind a router."""
+        for version, path in sorted(self.adapters.items()):
+            await self.load_adapter(path, version, urls=urls or list(self.urls))
+
+    async def _load_adapter_one(self, url: str, body: dict, *, replace: bool) -> None:
         what = f"/load_lora_adapter (lora_name={body['lora_name']}, lora_path={body['lora_path']})"
         for attempt in range(2):
             try:
                 _, answer = await self._call("POST", "/load_lora_adapter", body, what=what, servers=[url])
             except RolloutRequestError as exc:
-                if attempt == 0 and "already loaded" in str(exc):  # the same version again: replace it
+                if "already loaded" not in str(exc):
+                    raise RolloutRequestError(
+                        f"{exc} (the server must run with --enable-lora, --max-lora-rank >= the adapter's rank and "
+                        "--lora-target-modules covering its modules: rollout.sglang.launch does this for servers "
+                        "it starts)"
+                    ) from None
+                if replace and attempt == 0:
                     await self._unload_adapter_one(url, body["lora_name"])
                     continue
-                raise RolloutRequestError(
-                    f"{exc} (the server must run with --enable-lora, --max-lora-rank >= the adapter's rank and "
-                    "--lora-target-modules covering its modules: rollout.sglang.launch does this for servers it "
-                    "starts)"
-                ) from None
+                # Loaded by this client already (the name is its own): a push resent after a server failed, or
+                # SGLang's own reload from that directory (a request named it) won the race after the unload.
+                return
             if not (isinstance(answer, dict) and answer.get("success") is True):
                 message = answer.get("error_message") if isinstance(answer, dict) else answer
                 raise RolloutRequestError(f"{url}: {what} was not applied: {message!r}")
@@ -357,7 +390,7 @@ class SGLangClient:
         if keep < 1:
             raise ValueError(f"keep={keep}: the adapter new requests name must stay loaded")
         for version in sorted(self.adapters)[:-keep]:
-            await asyncio.gather(*(self._unload_adapter_one(url, f"v{version}") for url in self.urls))
+            await asyncio.gather(*(self._unload_adapter_one(url, self.adapter_name(version)) for url in self.urls))
             del self.adapters[version]
 
     async def _unload_adapter_one(self, url: str, name: str) -> None:
@@ -570,10 +603,12 @@ class SGLangClient:
         servers: list[str],
         limit: bool = False,
         max_retries: int | None = None,
+        on_send: Callable[[dict], None] | None = None,
     ) -> tuple[str, Any]:
         """One request with retries; attempt k goes to ``servers[k % len(servers)]``. Returns (url, body).
 
-        ``max_retries`` overrides ``cfg.max_retries`` (0 for requests that must not be repeated)."""
+        ``max_retries`` overrides ``cfg.max_retries`` (0 for requests that must not be repeated); ``on_send(body)``
+        runs right before each attempt is sent (with ``limit``, once it holds its server's slot)."""
         attempts = (self.cfg.max_retries if max_retries is None else max_retries) + 1
         tried: list[str] = []
         error = ""
@@ -586,8 +621,12 @@ class SGLangClient:
             try:
                 if limit:
                     async with self._slots[url]:
+                        if on_send is not None:
+                            on_send(body)
                         response = await self._send(method, url + path, body)
                 else:
+                    if on_send is not None:
+                        on_send(body)
                     response = await self._send(method, url + path, body)
             except (TimeoutError, httpx.TimeoutException):
                 error = f"{url}: timed out after {self.cfg.timeout_s:g} s (rollout.sglang.timeout_s)"

@@ -276,11 +276,7 @@ def start_fleet(
     version = resume.step
     adapters = r.sglang.lora_adapters  # servers keep the base model and load each version's adapter
     engine_dir = resume.checkpoint / "model" if resume.checkpoint is not None and not adapters else model_dir
-    lora = cfg.trainer.lora
-    serving = LoraServing(
-        rank=lora.rank, slots=r.max_lag + 2,
-        target_modules=("all",) if lora.target_modules == ["all-linear"] else tuple(lora.target_modules),
-    ) if adapters else None  # fmt: skip
+    serving = lora_serving(cfg)
     opened = closing.enter_context(
         open_engine(
             r.engine,
@@ -304,13 +300,24 @@ def start_fleet(
         check=PublishCheck(r.publish_check, probe_ids(tokenizer), engine_weight_dtype(cfg, opened.kind))
         if r.publish_check.enabled
         else None,
-        adapters=r.max_lag + 1 if adapters else 0,
+        adapters=r.lag_limit + 1 if adapters else 0,
     )
     if resume.checkpoint is not None and adapters:
         fleet.latest_adapter = (resume.checkpoint / "adapter", version)  # loaded on every server by Fleet.connect
     elif resume.checkpoint is not None and opened.kind == "sglang":
         fleet.latest = (resume.checkpoint / "model", version)  # handed to URL-given servers by Fleet.connect
     return fleet
+
+
+def lora_serving(cfg: Config) -> LoraServing | None:
+    """The LoRA flags of the SGLang servers a ``rollout.sglang.lora_adapters`` run starts: its rank, its target
+    modules (``all`` for ``all-linear``), and room for the ``lag_limit + 1`` versions kept resident plus one
+    (SGLang counts a request without an adapter as one). None: the run publishes full weights."""
+    if not cfg.rollout.sglang.lora_adapters:
+        return None
+    lora = cfg.trainer.lora
+    targets = ("all",) if lora.target_modules == ["all-linear"] else tuple(lora.target_modules)
+    return LoraServing(rank=lora.rank, slots=cfg.rollout.lag_limit + 2, target_modules=targets)
 
 
 def engine_weight_dtype(cfg: Config, kind: str) -> str | None:

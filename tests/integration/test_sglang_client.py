@@ -73,9 +73,16 @@ class FakeSGLang:
     update_success: bool = True
     loras: dict = field(default_factory=dict)
     """LoRA adapters loaded: name -> path."""
+    lora_cache: dict = field(default_factory=dict)
+    """Every adapter ever loaded (SGLang's lora_ref_cache): a request naming one that was unloaded reloads it."""
     requests: list = field(default_factory=list)
     in_flight: int = 0
     max_in_flight: int = 0
+
+    def restart_lora(self) -> None:
+        """What a restarted SGLang server knows of adapters: nothing."""
+        self.loras.clear()
+        self.lora_cache.clear()
 
     def reset(self) -> None:
         fresh = FakeSGLang()
@@ -111,12 +118,14 @@ def build_app(fake: FakeSGLang) -> object:
                 return JSONResponse({"error": f"unknown field `{sorted(unknown)[0]}`"}, status_code=400)
             lora = body.get("lora_path")
             if lora is not None and lora not in fake.loras:
-                message = f"Got LoRA adapter that has never been loaded: {lora}\nAll loaded adapters: {fake.loras}."
-                return JSONResponse({"error": {"message": message}}, status_code=400)
+                if lora not in fake.lora_cache:
+                    message = f"Got LoRA adapter that has never been loaded: {lora}\nAll loaded adapters: {fake.loras}."
+                    return JSONResponse({"error": {"message": message}}, status_code=400)
+                fake.loras[lora] = fake.lora_cache[lora]  # "Reloading evicted adapter"
             sampling = body["sampling_params"]
             if body["input_ids"] and isinstance(body["input_ids"][0], int):  # one prompt, not a batch
                 if body.get("logprob_start_len") == 0:  # a probe: its input tokens' logprobs
-                    shift = int(lora[1:]) / 100 if lora else 0.0  # each adapter scores it apart
+                    shift = int(lora.rsplit("-v", 1)[1]) / 100 if lora else 0.0  # each adapter scores it apart
                     triples = [[None if j == 0 else -0.5 - shift, t, None] for j, t in enumerate(body["input_ids"])]
                     return {"text": "", "output_ids": [1], "meta_info": {
                         "input_token_logprobs": triples, "output_token_logprobs": [[-0.1, 1, None]],
@@ -176,7 +185,7 @@ def build_app(fake: FakeSGLang) -> object:
         elif not (Path(path) / "adapter_config.json").is_file():
             error = f"Failed to load LoRA adapter {name}: no adapter_config.json in {path}"
         else:
-            fake.loras[name] = path
+            fake.loras[name] = fake.lora_cache[name] = path
             return {"success": True, "error_message": "", "loaded_adapters": dict(fake.loras)}
         return JSONResponse({"success": False, "error_message": error, "loaded_adapters": None}, status_code=400)
 

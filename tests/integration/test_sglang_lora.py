@@ -3,11 +3,13 @@ loopback SGLang of test_sglang_client.py with SGLang 0.5.23's LoRA routes (read 
 on GPUs only, so tests/gpu/test_sglang_lora_gpu.py checks them live).
 
 Covered: once an adapter is loaded every /generate and probe request names it, and a completion's version is the
-adapter its request named when it was issued, not the one loaded while it ran; loading a version again replaces
-it; ``unload_adapters`` keeps the newest ones and takes an adapter the server already evicted as gone; a server
-without the adapter and a directory that is no adapter are clear errors; the fleet writes each version as a PEFT
-directory of the LoRA matrices alone, loads it on every server, keeps ``max_lag + 1`` resident, and gives a
-restarted server (one that lost its adapters) the newest. Config errors are in tests/unit/test_config.py.
+adapter its request named when it was sent, not the one loaded while it ran; loading a version again replaces
+it, and a server that holds it already keeps it; ``unload_adapters`` keeps the newest ones and takes an adapter the
+server already evicted as gone; a server that lost its adapters (restarted) gets the resident ones back and the
+request is sent again; a directory that is no adapter is a clear error; the fleet writes each version as a PEFT
+directory of the LoRA matrices alone, loads it on every server, keeps ``max_lag + 1`` resident, and a resumed run
+loads its checkpoint's adapter at connect; the launch flags follow the config, ``max_lag: auto`` included.
+Config errors are in tests/unit/test_config.py.
 """
 
 from __future__ import annotations
@@ -55,6 +57,15 @@ def adapter_dir(root, name: str):
     return path
 
 
+def versions(names) -> list[int | None]:
+    """Adapter names (``tb-<client>-v<N>``) -> their versions; None stays None (no adapter named)."""
+    return [None if name is None else int(name.rsplit("-v", 1)[1]) for name in names]
+
+
+def loaded(fake: FakeSGLang) -> list[int]:
+    return sorted(versions(fake.loras))
+
+
 def bodies(fake: FakeSGLang, route: str) -> list[dict]:
     return [json.loads(raw) for path, raw in fake.requests if path == route]
 
@@ -77,12 +88,13 @@ def test_every_request_names_the_adapter_of_the_version_it_was_issued_under(two,
 
     before, during, after, readings = asyncio.run(run_client(config(url_a, url_b, batch_size=1), go))
     assert [c.policy_version for c in before] == [0, 0] and all("adapter" not in c.meta for c in before)
-    assert [c.policy_version for c in during] == [1] * 4 and {c.meta["adapter"] for c in during} == {"v1"}
-    assert [c.policy_version for c in after] == [2, 2] and {c.meta["adapter"] for c in after} == {"v2"}
+    assert [c.policy_version for c in during] == [1] * 4 and versions({c.meta["adapter"] for c in during}) == [1]
+    assert [c.policy_version for c in after] == [2, 2] and versions({c.meta["adapter"] for c in after}) == [2]
     for fake in (fake_a, fake_b):
-        assert fake.loras == {"v1": str((tmp_path / "v1").resolve()), "v2": str((tmp_path / "v2").resolve())}
-    names = [b.get("lora_path") for f in (fake_a, fake_b) for b in bodies(f, "/generate")]
-    assert sorted(names, key=str) == sorted([None, "v1", "v1", "v2", "v2", "v2"], key=str)  # 1+2+1 gens, 2 probes
+        assert sorted(fake.loras.values()) == [str((tmp_path / "v1").resolve()), str((tmp_path / "v2").resolve())]
+        assert all(name.startswith("tb-") for name in fake.loras)  # this client's own names
+    names = versions(b.get("lora_path") for f in (fake_a, fake_b) for b in bodies(f, "/generate"))
+    assert sorted(names, key=str) == sorted([None, 1, 1, 2, 2, 2], key=str)  # 1+2+1 generate requests, 2 probes
     # The probe names the adapter too, and each server's reading carries its version.
     assert [r.weight_version for r in readings] == ["2", "2"]
     assert all(lp == pytest.approx(-0.52) for r in readings for lp in r.logprobs)
@@ -96,28 +108,36 @@ def test_loading_a_version_again_replaces_it_and_old_ones_are_unloaded(two, tmp_
             await client.load_adapter(adapter_dir(tmp_path, f"v{version}"), version)
         again = adapter_dir(tmp_path, "v3-again")
         await client.load_adapter(again, 3)  # a publish retried after a failed check
-        del fake_b.loras["v1"]  # evicted by the server itself (--max-loaded-loras)
+        del fake_b.loras[client.adapter_name(1)]  # evicted by the server itself (--max-loaded-loras)
         await client.unload_adapters(keep=2)
         return sorted(client.adapters), client.adapter
 
     resident, current = asyncio.run(run_client(config(url_a, url_b), go))
-    assert resident == [2, 3] and current == (3, "v3")
+    assert resident == [2, 3] and versions([current[1]]) == [3]
     for fake in (fake_a, fake_b):
-        assert sorted(fake.loras) == ["v2", "v3"] and fake.loras["v3"].endswith("v3-again")
+        assert loaded(fake) == [2, 3] and fake.loras[current[1]].endswith("v3-again")
     with pytest.raises(ValueError, match="must stay loaded"):
         asyncio.run(run_client(config(url_a), lambda client: client.unload_adapters(keep=0)))
 
 
-def test_a_server_without_the_adapter_and_a_directory_that_is_no_adapter_are_clear_errors(two, tmp_path):
-    (url_a, fake_a), (url_b, _) = two
+def test_a_server_that_lost_its_adapters_gets_them_back_and_a_directory_that_is_no_adapter_is_an_error(
+    two, tmp_path
+):
+    (url_a, fake_a), (url_b, fake_b) = two
 
     async def go(client: SGLangClient):
         await client.load_adapter(adapter_dir(tmp_path, "v1"), 1)
-        fake_a.loras.clear()  # e.g. restarted without it
-        await client.generate([[1, 2]], PARAMS)
+        await client.load_adapter(adapter_dir(tmp_path, "v2"), 2)
+        fake_a.restart_lora()  # restarted from the base model: its registry is empty
+        completions = await client.generate([[1, 2], [3, 4]], PARAMS)  # one request to each server
+        await client.load_adapter(tmp_path / "v2", 2, urls=[url_b])  # a push resent: b holds it already
+        return completions
 
-    with pytest.raises(RolloutRequestError, match="never been loaded: v1"):
-        asyncio.run(run_client(config(url_a, batch_size=1), go))
+    completions = asyncio.run(run_client(config(url_a, url_b, batch_size=1), go))
+    assert [c.policy_version for c in completions] == [2] * 4
+    assert loaded(fake_a) == loaded(fake_b) == [1, 2]
+    retried = versions(b.get("lora_path") for b in bodies(fake_a, "/generate"))
+    assert retried == [2, 2]  # rejected ("never been loaded"), then answered after the reload
     (tmp_path / "empty").mkdir()
     with pytest.raises(RolloutRequestError, match=r"no adapter_config.json.*--enable-lora, --max-lora-rank"):
         asyncio.run(run_client(config(url_b), lambda c: c.load_adapter(tmp_path / "empty", 1)))
@@ -154,14 +174,52 @@ def test_the_fleet_publishes_adapters_keeps_max_lag_plus_one_and_reloads_a_resta
         return held, client.adapter
 
     held, current = asyncio.run(go())
-    assert held == [1, 2, 3] and current == (3, "v3")
-    assert sorted(fake_a.loras) == ["v2", "v3"] and sorted(fake_b.loras) == ["v3"]
+    assert held == [1, 2, 3] and current[0] == 3
+    assert loaded(fake_a) == [2, 3] and loaded(fake_b) == [3]
     v3 = tmp_path / "weights" / "v3"
     config_json = json.loads((v3 / "adapter_config.json").read_text())
     weights = load_file(v3 / "adapter_model.safetensors")
     assert config_json["r"] == 4 and weights and all(".lora_" in key for key in weights)  # the adapter alone
     assert all(torch.allclose(w, torch.full_like(w, 0.3)) for k, w in weights.items() if "lora_B" in k)
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2", "v3"]
+
+
+def test_a_resumed_run_loads_its_checkpoints_adapter_at_connect(two, tmp_path):
+    (url_a, fake_a), (url_b, fake_b) = two
+    checkpoint = adapter_dir(tmp_path, "adapter")
+
+    async def go():
+        client = SGLangClient(config(url_a, url_b))
+        fleet = Fleet(client, [], SupervisionConfig(), health_timeout_s=5.0, weights_dir=tmp_path / "w", adapters=2)
+        fleet.latest_adapter = (checkpoint, 7)
+
+        async def nothing(_: object) -> None:
+            return None
+
+        await fleet.connect(PublishHooks(held=nothing, failed=nothing))
+        completions = await fleet.generate([[1, 2]], PARAMS)
+        await fleet.close()
+        return completions
+
+    completions = asyncio.run(go())
+    assert loaded(fake_a) == loaded(fake_b) == [7] and set(fake_a.loras.values()) == {str(checkpoint.resolve())}
+    assert [c.policy_version for c in completions] == [7, 7]
+
+
+def test_launch_flags_follow_the_config():
+    from app.config import load_config
+    from app.training.setup import lora_serving
+
+    from .conftest import REPO
+
+    common = ["rollout.engine=sglang", "rollout.sglang.urls=[http://a:1]", "trainer.lora.rank=8"]
+    on = [*common, "rollout.sglang.lora_adapters=true"]
+    assert lora_serving(load_config(REPO / "configs" / "quickstart.yaml", common)) is None
+    assert lora_serving(load_config(REPO / "configs" / "quickstart.yaml", [*on, "rollout.max_lag=2"])) == \
+        LoraServing(rank=8, slots=4, target_modules=("all",))  # fmt: skip
+    auto = load_config(REPO / "configs" / "quickstart.yaml", [*on, "rollout.max_lag=auto", "rollout.max_auto_lag=5",
+                                                              "trainer.lora.target_modules=[q_proj,v_proj]"])  # fmt: skip
+    assert lora_serving(auto) == LoraServing(rank=8, slots=7, target_modules=("q_proj", "v_proj"))
 
 
 def test_lora_serving_flags():
