@@ -144,13 +144,14 @@ def test_a_server_that_lost_its_adapters_gets_them_back_and_a_directory_that_is_
 
 
 def test_the_fleet_publishes_adapters_keeps_max_lag_plus_one_and_reloads_a_restarted_server(two, tmp_path):
+    """adapters=3 (max_lag 2): 3 resident, the newest max(3, 3 + 1) = 4 directories kept."""
     (url_a, fake_a), (url_b, fake_b) = two
     model = apply_lora(random_qwen2(0), LoraConfig(rank=4))
 
     async def go():
         client = SGLangClient(config(url_a, url_b))
         fleet = Fleet(client, [], SupervisionConfig(), health_timeout_s=5.0, weights_dir=tmp_path / "weights",
-                      adapters=2)  # fmt: skip
+                      adapters=3)  # fmt: skip
         held: list[int] = []
 
         async def record(version: int) -> None:
@@ -160,28 +161,27 @@ def test_the_fleet_publishes_adapters_keeps_max_lag_plus_one_and_reloads_a_resta
             raise AssertionError(f"no push should fail: {exc}")
 
         await fleet.connect(PublishHooks(held=record, failed=failed))
-        for version in (1, 2, 3):
+        for version in (1, 2, 3, 4, 5):
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     if "lora_B" in name:
                         param.fill_(0.1 * version)
             await fleet.publish(model, version)
         await fleet.flush()
-        fake_b.loras.clear()  # a server that came back from the base model, as the watchdog restarts it
-        path, version = fleet.latest_adapter
-        await client.load_adapter(path, version, urls=[url_b])
+        fake_b.restart_lora()  # a server that came back from the base model: what the watchdog's restart loads
+        await client.reload_adapters(urls=[url_b])
         await fleet.close()
         return held, client.adapter
 
     held, current = asyncio.run(go())
-    assert held == [1, 2, 3] and current[0] == 3
-    assert loaded(fake_a) == [2, 3] and loaded(fake_b) == [3]
-    v3 = tmp_path / "weights" / "v3"
-    config_json = json.loads((v3 / "adapter_config.json").read_text())
-    weights = load_file(v3 / "adapter_model.safetensors")
+    assert held == [1, 2, 3, 4, 5] and current[0] == 5
+    assert loaded(fake_a) == loaded(fake_b) == [3, 4, 5]
+    v5 = tmp_path / "weights" / "v5"
+    config_json = json.loads((v5 / "adapter_config.json").read_text())
+    weights = load_file(v5 / "adapter_model.safetensors")
     assert config_json["r"] == 4 and weights and all(".lora_" in key for key in weights)  # the adapter alone
-    assert all(torch.allclose(w, torch.full_like(w, 0.3)) for k, w in weights.items() if "lora_B" in k)
-    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v1", "v2", "v3"]
+    assert all(torch.allclose(w, torch.full_like(w, 0.5)) for k, w in weights.items() if "lora_B" in k)
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v2", "v3", "v4", "v5"]
 
 
 def test_a_resumed_run_loads_its_checkpoints_adapter_at_connect(two, tmp_path):
