@@ -48,3 +48,19 @@ def remove_unless_failed(request: pytest.FixtureRequest, path: Path) -> None:
     each passing test's `tmp_path`, so the suite's disk use peaks at about one module's, not the sum of all."""
     if request.session.testsfailed == 0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def recording_hooks(gate=None):
+    """`PublishHooks` for a fleet under test: each held version is appended, in order, to the list returned beside
+    them; a failed push fails the test. ``gate`` is passed through."""
+    from app.rollout.fleet import PublishHooks
+
+    held: list[int] = []
+
+    async def record(version: int) -> None:
+        held.append(version)
+
+    async def failed(exc: BaseException) -> None:
+        raise AssertionError(f"no push should fail: {exc}")
+
+    return PublishHooks(held=record, failed=failed, gate=gate), held

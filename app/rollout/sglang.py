@@ -34,12 +34,13 @@ arrive as a PEFT adapter directory (``WeightSource(path=..., adapter=True)``) in
 ``POST /load_lora_adapter {"lora_name": "tb-<client>-v<N>", "lora_path": <dir>}`` on every server (the name is
 unique to this client, so a server reused across runs never answers with another run's adapter of the same
 version), and from then on every ``/generate`` and probe request names it (``"lora_path"``: SGLang's field takes
-the adapter's *name*). A
-request that names no adapter is answered by the base model, silently, so once a client has loaded one it never
-sends a request without it. A completion's ``policy_version`` is the version of the adapter its request named
-when it was issued (the base weights, and so SGLang's ``weight_version`` label, never change). ``unload_adapters``
-removes all but the newest ``keep`` (``POST /unload_lora_adapter``; SGLang waits for the requests that use one
-before it goes); the fleet keeps ``max_lag + 1`` resident.
+the adapter's *name*). A request that names no adapter is answered by the base model, silently, so once a client
+has loaded one it never sends a request without it. A completion's ``policy_version`` is the version of the
+adapter its request named when it was sent (the base weights, and so SGLang's ``weight_version`` label, never
+change). A server that answers that it never loaded the adapter (restarted, or a worker new behind a router) gets
+the resident ones (``reload_adapters``) and the request is sent once more. ``unload_adapters`` removes all but
+the newest ``keep`` (``POST /unload_lora_adapter``; SGLang waits for the requests that use one before it goes);
+the fleet keeps ``max_lag + 1`` resident.
 
 Failures. Connection errors, timeouts (``timeout_s`` bounds each request as a whole) and 5xx answers are
 retried up to ``max_retries`` times with exponential back-off and jitter (so is 429, "busy"); a ``/generate`` request moves to the
@@ -254,11 +255,15 @@ class SGLangClient:
             "return_logprob": True,
             "logprob_start_len": 0,
         }
-        if self.adapter is not None:
-            body["lora_path"] = self.adapter[1]
-        return list(await asyncio.gather(*(self._score_one(url, body) for url in self.urls)))
+        adapter = self.adapter
+        if adapter is not None:
+            body["lora_path"] = adapter[1]
+        label = None if adapter is None else str(adapter[0])
+        return list(await asyncio.gather(*(self._score_one(url, body, adapter_label=label) for url in self.urls)))
 
-    async def _score_one(self, url: str, body: dict) -> ProbeReading:
+    async def _score_one(self, url: str, body: dict, *, adapter_label: str | None = None) -> ProbeReading:
+        """One server's reading; ``adapter_label``: the version of the adapter the probe names, which is what the
+        server answers with (SGLang rejects a name it never loaded) instead of its unchanged ``weight_version``."""
         what = f"/generate of the {len(body['input_ids'])}-token probe text (logprob_start_len 0)"
         _, answer = await self._call("POST", "/generate", body, what=what, servers=[url])
         item = answer[0] if isinstance(answer, list) and answer else answer
@@ -279,13 +284,8 @@ class SGLangClient:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise RolloutResponseError(f"{url}: input_token_logprobs[{t}] = {triple!r} has no finite logprob")
             logprobs.append(float(value))
-        label = meta.get("weight_version")
-        if "lora_path" in body:  # the server answered with the adapter named (SGLang rejects an unknown name)
-            label = str(self._version_of_adapter(body["lora_path"]))
+        label = adapter_label or meta.get("weight_version")
         return ProbeReading(url, None if label is None else str(label), logprobs)
-
-    def _version_of_adapter(self, name: str) -> int:
-        return int(name.rsplit("-v", 1)[1])
 
     def adapter_name(self, version: int) -> str:
         """The name version ``version``'s adapter is loaded under on the servers."""
@@ -342,8 +342,8 @@ class SGLangClient:
     # ---------------------------------------------------------------- LoRA adapters
 
     async def load_adapter(self, path: Path, version: int, *, urls: list[str] | None = None) -> None:
-        """Load the PEFT adapter directory ``path`` as ``v<version>`` on every server (or on ``urls``), then name
-        it in every new request (module docstring). A version loaded before on every server (a publish
+        """Load the PEFT adapter directory ``path`` under `adapter_name` on every server (or on ``urls``), then
+        name it in every new request (module docstring). A version loaded before on every server (a publish
         retried after a failed check) is replaced: unloaded, then loaded again. A server that holds it already
         otherwise (a push resent after a server failed) keeps it."""
         version = int(version)

@@ -22,31 +22,18 @@ import torch
 from safetensors.torch import load_file
 
 from app.rollout.base import SamplingParams, WeightSource
-from app.rollout.fleet import Fleet, PublishHooks, SupervisionConfig
+from app.rollout.fleet import Fleet, SupervisionConfig
 from app.rollout.sglang import RolloutRequestError, SGLangClient
 from app.rollout.sglang_server import LoraServing
-from tests.helpers import random_qwen2
+from tests.helpers import random_qwen2, recording_hooks
 from trainer.lora import LoraConfig, apply_lora
 
-from .test_sglang_client import FakeSGLang, ServerThread, build_app, config
+from . import test_sglang_client as loopback
+from .test_sglang_client import FakeSGLang, config
 
 PARAMS = SamplingParams(max_new_tokens=3, temperature=1.0, n=2, seed=0)
-
-
-@pytest.fixture(scope="module")
-def servers():
-    fakes = [FakeSGLang(), FakeSGLang()]
-    threads = [ServerThread(build_app(fake)) for fake in fakes]
-    yield [(thread.url, fake) for thread, fake in zip(threads, fakes, strict=True)]
-    for thread in threads:
-        thread.stop()
-
-
-@pytest.fixture
-def two(servers):
-    for _, fake in servers:
-        fake.reset()
-    return servers
+servers, two = loopback.servers, loopback.two
+"""The two loopback servers of test_sglang_client.py (this module gets its own pair), reset before each test."""
 
 
 def adapter_dir(root, name: str):
@@ -152,15 +139,8 @@ def test_the_fleet_publishes_adapters_keeps_max_lag_plus_one_and_reloads_a_resta
         client = SGLangClient(config(url_a, url_b))
         fleet = Fleet(client, [], SupervisionConfig(), health_timeout_s=5.0, weights_dir=tmp_path / "weights",
                       adapters=3)  # fmt: skip
-        held: list[int] = []
-
-        async def record(version: int) -> None:
-            held.append(version)
-
-        async def failed(exc: BaseException) -> None:
-            raise AssertionError(f"no push should fail: {exc}")
-
-        await fleet.connect(PublishHooks(held=record, failed=failed))
+        hooks, held = recording_hooks()
+        await fleet.connect(hooks)
         for version in (1, 2, 3, 4, 5):
             with torch.no_grad():
                 for name, param in model.named_parameters():
@@ -192,11 +172,7 @@ def test_a_resumed_run_loads_its_checkpoints_adapter_at_connect(two, tmp_path):
         client = SGLangClient(config(url_a, url_b))
         fleet = Fleet(client, [], SupervisionConfig(), health_timeout_s=5.0, weights_dir=tmp_path / "w", adapters=2)
         fleet.latest_adapter = (checkpoint, 7)
-
-        async def nothing(_: object) -> None:
-            return None
-
-        await fleet.connect(PublishHooks(held=nothing, failed=nothing))
+        await fleet.connect(recording_hooks()[0])
         completions = await fleet.generate([[1, 2]], PARAMS)
         await fleet.close()
         return completions

@@ -16,6 +16,7 @@ import torch
 
 from app.rollout.embedded import EmbeddedEngine
 from app.rollout.fleet import Fleet, PublishHooks, SupervisionConfig
+from tests.helpers import recording_hooks
 from trainer.model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer
 
 SHAPE = TinyModelConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1)
@@ -42,19 +43,13 @@ def engine_weight(fleet: Fleet) -> torch.Tensor:
 def test_versions_are_snapshots_pushed_in_order():
     async def go():
         fleet, model = fleet_of()
-        held: list[int] = []
         gated: list[int] = []
-
-        async def record(version: int) -> None:
-            held.append(version)
 
         async def gate(version: int) -> None:
             gated.append(version)
 
-        async def failed(exc: BaseException) -> None:
-            raise AssertionError(f"no push should fail: {exc}")
-
-        await fleet.connect(PublishHooks(held=record, failed=failed, gate=gate))
+        hooks, held = recording_hooks(gate)
+        await fleet.connect(hooks)
         with torch.no_grad():
             model.get_input_embeddings().weight.fill_(0.5)
         await fleet.publish(model, 1)
@@ -76,15 +71,8 @@ def test_versions_are_snapshots_pushed_in_order():
 def test_wait_for_push_returns_with_the_version_held():
     async def go():
         fleet, model = fleet_of(wait_for_push=True)
-        held: list[int] = []
-
-        async def record(version: int) -> None:
-            held.append(version)
-
-        async def failed(exc: BaseException) -> None:
-            raise AssertionError(f"no push should fail: {exc}")
-
-        await fleet.connect(PublishHooks(held=record, failed=failed))
+        hooks, held = recording_hooks()
+        await fleet.connect(hooks)
         await fleet.publish(model, 1)
         seen = list(held)
         await fleet.close()
