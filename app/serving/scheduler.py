@@ -3,9 +3,15 @@
 Batching: each prompt of each request becomes a ``Job`` on one queue. The scheduler task waits for the first
 job, then collects for ``batch_window_s`` (measured from that job's arrival, so jobs that queued up behind a
 running batch go at once) or until ``max_batch_size`` sequences, groups the jobs by identical sampling
-parameters and runs one ``generate_sync`` per group in a thread of its own; the event loop stays free. Jobs
-with a ``request_key`` (a seeded request) only join jobs of the same key, so the request gets exactly what
-``generate_sync`` gives its own prompts with that seed.
+parameters and runs one ``generate_sync`` per group in a thread of its own; the event loop stays free.
+
+Seeded requests. Jobs with a ``request_key`` (the prompts of one seeded request) only join jobs of the same key,
+and they are taken off the queue together or not at all: a seeded request is one ``generate_sync`` of exactly
+its prompts, so it gets what ``generate_sync(its prompts, params)`` gives, whatever else is queued and however
+the batches happen to fall. (Taking jobs one by one split a 256-sequence request whenever another request's job
+was ahead of it in the queue, such as the publish check's probe: its tail then ran as a second call from the
+same seed and drew other samples, so a synchronous run depended on timing.) A seeded request larger than
+``max_batch_size`` runs alone; the engine splits it into chunks at fixed offsets.
 
 A job's future gets its prompt's ``n`` completions, or None when it was aborted before it ran
 (``abort_queued``: all queued jobs, or those of one ``rid``); cancelling it before it runs drops the job.
@@ -201,12 +207,22 @@ class Scheduler:
         return sum(job.params.n for _, job in self.queue)
 
     def _take(self) -> list[Job]:
+        """The next batch: whole units from the head of the queue while they fit in ``max_batch_size`` sequences
+        (the first always goes). A unit is one job, or every queued job of one seeded request."""
         batch, sequences = [], 0
-        while self.queue and (not batch or sequences + self.queue[0][1].params.n <= self.max_batch_size):
-            _, job = self.queue.popleft()
-            if not job.future.done():
-                batch.append(job)
-                sequences += job.params.n
+        while self.queue:
+            head = self.queue[0][1]
+            seeded = len(head.group) > 1
+            unit = [job for _, job in self.queue if job.group == head.group] if seeded else [head]
+            size = sum(job.params.n for job in unit)
+            if batch and sequences + size > self.max_batch_size:
+                break
+            if seeded:
+                self.queue = deque(entry for entry in self.queue if entry[1].group != head.group)
+            else:
+                self.queue.popleft()
+            batch += [job for job in unit if not job.future.done()]
+            sequences += size
         return batch
 
     async def _execute(self, batch: list[Job]) -> None:

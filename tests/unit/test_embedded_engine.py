@@ -292,3 +292,54 @@ def test_progress_counts_each_sequence_as_it_finishes_without_changing_the_sampl
     assert len(reports) > 4
     plain = small.generate_sync(PROMPTS, params)
     assert [c.output_ids for c in with_progress] == [c.output_ids for c in plain]
+
+
+def test_a_seeded_request_is_one_generate_call_whatever_is_queued_beside_it(engine):
+    """Issue 41: a synchronous quickstart run stopped being reproducible. The scheduler took jobs one by one up
+    to max_batch_size, so a seeded request that filled the batch was split whenever another request's job was
+    ahead of it (the publish check's one-sequence probe): its last prompt then ran as a second generate_sync from
+    the same seed and drew other samples. A seeded request must give what generate_sync gives its prompts alone,
+    whatever is queued around it, and a request larger than max_batch_size runs alone."""
+    from app.serving.scheduler import Scheduler, Stats
+
+    seeded = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=11)
+    other_seed = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=12)
+    prompts = [PROMPTS[k % 3] + [k + 2] for k in range(4)]  # 4 prompts x 4 samples = the whole batch
+    alone = [c.output_ids for c in engine.generate_sync(prompts, seeded)]
+    alone_other = [c.output_ids for c in engine.generate_sync(prompts[:3], other_seed)]
+
+    async def scenario() -> tuple[list, list, list, Stats]:
+        scheduler = Scheduler(engine, max_batch_size=16, batch_window_s=0.5)
+        probe = scheduler.enqueue(PROMPTS[1], greedy(1))  # one sequence ahead of the request (the probe)
+        first = [scheduler.enqueue(p, seeded, request_key="a") for p in prompts]
+        interleaved = [scheduler.enqueue(p, other_seed, request_key="b") for p in prompts[:3]]
+        scheduler.start()
+        try:
+            results = await asyncio.gather(probe, *first, *interleaved)
+        finally:
+            await scheduler.stop()
+        return results[1:5], results[5:], results[0], scheduler.stats
+
+    first, interleaved, probe, stats = asyncio.run(scenario())
+    assert [c.output_ids for per_prompt in first for c in per_prompt] == alone
+    assert [c.output_ids for per_prompt in interleaved for c in per_prompt] == alone_other
+    assert len(probe) == 1
+    # The probe, then request a (16 sequences: the probe left no room for it), then b: three calls.
+    assert stats.generate_calls == 3 and stats.largest_batch == 16
+
+    # Larger than the batch limit: taken alone, in one generate_sync that chunks it at fixed offsets.
+    small = EmbeddedEngine(engine.model, eos_token_id=EOS, pad_token_id=PAD, max_batch_size=8)
+    big = [c.output_ids for c in small.generate_sync(prompts, seeded)]
+
+    async def oversized() -> list:
+        scheduler = Scheduler(small, max_batch_size=8, batch_window_s=0.5)
+        probe = scheduler.enqueue(PROMPTS[1], greedy(1))
+        jobs = [scheduler.enqueue(p, seeded, request_key="a") for p in prompts]
+        scheduler.start()
+        try:
+            results = await asyncio.gather(probe, *jobs)
+        finally:
+            await scheduler.stop()
+        return results[1:]
+
+    assert [c.output_ids for per_prompt in asyncio.run(oversized()) for c in per_prompt] == big
