@@ -102,6 +102,7 @@ def to_json(result: EvalResult) -> dict:
                 "prompt": row.prompt,
                 "messages": row.messages,
                 "answer": row.answer,
+                "metadata": row.metadata,
                 "samples": result.n,
                 "correct": result.correct[i],
                 "pass_at": {str(k): r.per_prompt[i] for k, r in passes.items()},
