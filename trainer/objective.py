@@ -82,7 +82,8 @@ class ObjectiveConfig:
     """Weight of the entropy bonus, -entropy_coef * mean token entropy; 0 turns it off."""
 
     ref_kl_coef: float = 0.0
-    """Weight of the k3 KL penalty to the reference policy; 0 turns it off (no reference model needed)."""
+    """Weight of the k3 KL penalty to the reference policy, the run's starting weights (a training run keeps a frozen
+    copy of them: one more copy of the weights and one more no-grad forward per micro-batch); 0 turns it off."""
 
     max_log_ratio: float = 20.0
     """|logprob - behaviour logprob| is clamped to this before exp(), so ratios stay finite in float32."""

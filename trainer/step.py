@@ -286,21 +286,25 @@ class PolicyForward:
     def __call__(self, mb: _MicroBatch) -> tuple[Tensor, Tensor]:
         """(logprobs, entropy), both [b, l] float32, with gradient unless run under no_grad."""
         with compute(self.model, self.compute_dtype):
-            return self._forward(mb)
-
-    def _forward(self, mb: _MicroBatch) -> tuple[Tensor, Tensor]:
-        if self.share_prompts:
-            logprobs, entropy = shared_prefix_token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, mb.mask,
-                temperature=self.temperature, with_entropy=True,
-            )  # fmt: skip
-        else:
-            logprobs, entropy = token_logprobs(
-                self.model, mb.input_ids, mb.attention_mask, temperature=self.temperature, with_entropy=True,
-                loss_mask=mb.mask,
-            )  # fmt: skip
+            logprobs, entropy = self._forward(mb, with_entropy=True)
         assert entropy is not None
         return logprobs, entropy
+
+    def logprobs(self, mb: _MicroBatch) -> Tensor:
+        """[b, l] float32 logprobs alone (no entropy), without gradient: the reference policy's."""
+        with torch.no_grad(), compute(self.model, self.compute_dtype):
+            return self._forward(mb, with_entropy=False)[0]
+
+    def _forward(self, mb: _MicroBatch, *, with_entropy: bool) -> tuple[Tensor, Tensor | None]:
+        if self.share_prompts:
+            return shared_prefix_token_logprobs(
+                self.model, mb.input_ids, mb.attention_mask, mb.mask,
+                temperature=self.temperature, with_entropy=with_entropy,
+            )  # fmt: skip
+        return token_logprobs(
+            self.model, mb.input_ids, mb.attention_mask, temperature=self.temperature, with_entropy=with_entropy,
+            loss_mask=mb.mask,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -551,10 +555,14 @@ def train_step(
     *,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     diagnose: bool = False,
+    reference: torch.nn.Module | None = None,
 ) -> dict[str, float]:
     """One optimizer step on `batch` (this rank's share); returns the metrics in the module docstring.
 
     `diagnose` (the same on every rank) adds the per-term gradient norms, at the cost of two more passes.
+    `reference` (a frozen copy of the starting policy, sharded like `model` under FSDP2) fills each micro-batch's
+    reference logprobs with one no-grad forward, computed as the policy's are (shared prompts, compute dtype),
+    for `objective.ref_kl_coef`; a batch that already carries `ref_logprobs` keeps them.
 
     A collective when `reducer` spans several ranks: every rank calls it with its own batch. The model runs
     in whatever train/eval mode it is in (RL wants dropout off; the tiny model is built in eval mode).
@@ -568,6 +576,10 @@ def train_step(
     device = next(model.parameters()).device
     plan = plan_step(batch, cfg.micro_batch_size, reducer, device)
     forward = PolicyForward(model, cfg.share_prompts, batch.temperature, cfg.compute_dtype)
+    if reference is not None and batch.ref_logprobs is None:
+        reference_forward = PolicyForward(reference, cfg.share_prompts, batch.temperature, cfg.compute_dtype)
+        for mb in plan.micro_batches:  # every rank runs as many (padding included): FSDP2 gathers in each
+            mb.ref_logprobs = reference_forward.logprobs(mb)
     ess_scope = EssScope.prepare(cfg.ess_scope, forward, plan.micro_batches, objective.max_log_ratio, reducer)
     diagnostics = grad_diagnostics(forward, plan, objective, ess_scope) if diagnose else {}
     trained = forward_backward(forward, plan, objective, ess_scope, part="all")

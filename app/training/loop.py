@@ -264,7 +264,7 @@ async def train_one_step(
     every = cfg.trainer.grad_diagnostics_every
     trained = await asyncio.to_thread(
         train_step, p.policy.model, p.policy.optimizer, batch, cfg.objective, p.reducer, cfg.trainer,
-        scheduler=p.policy.scheduler, diagnose=bool(every and step % every == 0),
+        scheduler=p.policy.scheduler, diagnose=bool(every and step % every == 0), reference=p.policy.reference,
     )
     t2 = time.perf_counter()
     await p.fleet.publish(p.policy.model, step)  # the push to the engines goes on in the background

@@ -13,6 +13,7 @@ setup itself fails half way.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import socket
@@ -56,6 +57,8 @@ class Policy:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     model_dir: Path
     """The directory the run started from (the bootstrapped or pretrained model)."""
+    reference: torch.nn.Module | None = None
+    """The frozen starting policy (`objective.ref_kl_coef` > 0): what the reference-KL penalty pulls toward."""
 
 
 @dataclass
@@ -201,6 +204,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     closing = contextlib.ExitStack()
     try:
         fleet = start_fleet(cfg, closing, model_dir, dist, resume, tokenizer)
+        reference = frozen_reference(model, cfg, dist) if cfg.objective.ref_kl_coef > 0 else None
         optimizer, scheduler = make_trainable(model, cfg, dist, cfg.run.steps)
         if resume.checkpoint is not None:
             restore(cfg, resume, model, optimizer, scheduler, dist.rank)
@@ -244,7 +248,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         cfg=cfg,
         dist=dist,
         reducer=reducer,
-        policy=Policy(model, tokenizer, optimizer, scheduler, model_dir),
+        policy=Policy(model, tokenizer, optimizer, scheduler, model_dir, reference),
         text=text,
         fleet=fleet,
         runner=runner,
@@ -357,6 +361,17 @@ def make_trainable(model, cfg: Config, dist: DistInfo, total_steps: int):
         shard_model(model, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
     model.train()
     return build_optimizer(model, cfg.optim, total_steps)
+
+
+def frozen_reference(model, cfg: Config, dist: DistInfo) -> torch.nn.Module:
+    """A frozen copy of the run's starting weights (model.path, before LoRA and before a resumed run's checkpoint
+    is restored), sharded as the policy is: the reference of `objective.ref_kl_coef`. It costs one copy of the
+    weights and one no-grad forward per micro-batch."""
+    reference = copy.deepcopy(model)
+    reference.requires_grad_(False)
+    if dist.world_size > 1:
+        shard_model(reference, param_dtype=fsdp_param_dtype(cfg.trainer.compute_dtype, dist.device))
+    return reference.eval()
 
 
 def restore(cfg: Config, resume: Resume, model, optimizer, scheduler, rank: int) -> None:

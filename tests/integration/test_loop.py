@@ -288,3 +288,13 @@ def test_time_limit_stops_after_the_step_that_crosses_it_and_still_evaluates_and
     assert summary["checkpoint_dir"].endswith("step-000001/model")
     assert AutoModelForCausalLM.from_pretrained(summary["checkpoint_dir"]).num_parameters() > 0
     assert 0.0 <= summary["final_accuracy"] <= 1.0
+
+
+def test_reference_kl_pulls_toward_the_starting_model(tmp_path, tiny_model_dir):
+    """objective.ref_kl_coef > 0: the run keeps a frozen copy of its starting weights and trains with the penalty
+    (issue 40's bisection): zero on the first step, when the policy is still the reference, positive after."""
+    summary = run(small_config(tmp_path, tiny_model_dir, "objective.ref_kl_coef=0.1", "rollout.max_lag=0"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert summary["steps"] == 3 and [row["step"] for row in rows] == [1, 2, 3]
+    assert rows[0]["loss/ref_kl"] == pytest.approx(0.0, abs=1e-9)
+    assert rows[1]["loss/ref_kl"] > 0 and rows[2]["loss/ref_kl"] > 0

@@ -429,3 +429,33 @@ def test_lag0_rows_measure_the_engine_mismatch_alone(micro_batch_size):
     assert "loss/ess_lag0" not in none
     with pytest.raises(ValueError, match="fresh"):
         _replace(batch, fresh=fresh[:-1])
+
+
+@pytest.mark.parametrize("share_prompts", [False, True], ids=["rows", "shared-prompts"])
+def test_a_reference_model_gives_the_step_its_reference_logprobs(share_prompts):
+    """objective.ref_kl_coef: `train_step(reference=...)` computes each micro-batch's reference logprobs with the
+    reference model, as if the batch had carried them: the same loss, reference KL and gradient."""
+    batch = build_batch(build_model(), rows=9, shared_prompts=3, temperature=0.9)
+    reference = build_model(seed=7)
+    objective = ObjectiveConfig(name="ess", ref_kl_coef=0.1)
+    cfg = TrainerConfig(micro_batch_size=4, max_grad_norm=0.0, share_prompts=share_prompts)
+    with torch.no_grad():
+        ref, _ = token_logprobs(reference, batch.input_ids, batch.attention_mask, temperature=0.9)
+    given_metrics, given_grad = _sgd_step(_replace(batch, ref_logprobs=ref), objective, cfg)
+
+    model = build_model()
+    before = _params(model)
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, objective, REDUCER, cfg,
+                         reference=reference)  # fmt: skip
+    assert metrics["loss/ref_kl"] > 0
+    for key in ("loss/total", "loss/ref_kl", "loss/policy", "train/grad_norm"):
+        assert metrics[key] == pytest.approx(given_metrics[key], rel=1e-5, abs=1e-7), key
+    for key, value in _params(model).items():
+        torch.testing.assert_close(value - before[key], given_grad[key], atol=1e-6, rtol=1e-4, msg=key)
+    assert all(not p.requires_grad or p.grad is None for p in reference.parameters())
+
+    # The policy itself as the reference: the penalty and its gradient are zero on the first step.
+    model = build_model()
+    same = train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), batch, objective, REDUCER, cfg,
+                      reference=build_model())  # fmt: skip
+    assert same["loss/ref_kl"] == pytest.approx(0.0, abs=1e-7)
