@@ -33,6 +33,7 @@ COPY app app
 COPY trainer trainer
 COPY rewards rewards
 COPY sandbox sandbox
+COPY tools tools
 COPY configs configs
 # The gpu extra brings SGLang and its CUDA build of torch (inside the range pyproject allows).
 RUN pip install "torch==${TORCH_VERSION}" "sglang==${SGLANG_VERSION}" "./[gpu]"

@@ -29,6 +29,7 @@ from app.tracking import TrackingConfig, check_name, default_tracking_uri, store
 from rewards import RewardsConfig
 from rewards.registry import PARAMS, check_params
 from sandbox import SandboxConfig
+from tools import ToolSpec, check_specs
 from trainer.advantages import AdvantageConfig
 from trainer.checkpoint import CheckpointConfig
 from trainer.model import TinyModelConfig
@@ -169,6 +170,29 @@ class RolloutConfig:
     instead of generated again; 0 = off. Pays when the run cycles through data.train more than once; the draws
     passed over are logged (rollout/skipped_prompts) and reported at the end. A resumed run starts a fresh
     record."""
+    max_turns: int = 4
+    """Tools (the `tools` section): model turns of one answer; a tool call on the last turn ends it (status
+    max_turns). docs/tools.md."""
+    max_total_tokens: int | None = None
+    """Tools: tokens after the prompt of one answer, the model's and the tools' together (each request is clamped
+    to what is left); None: max_turns x max_new_tokens. max_new_tokens caps each request."""
+    max_tool_output_tokens: int = 128
+    """Tools: a tool's output is cut to this many tokens, keeping its head and tail around a marker."""
+    tool_format: Literal["fenced", "hermes"] = "fenced"
+    """Tools: how calls are written. fenced: ```python blocks, answered by ```output blocks in the same turn
+    (any model); hermes: <tool_call>{json}</tool_call> and tool messages of the model's chat template."""
+    tool_timeout_s: float = 30.0
+    """Tools: a call still running after this many seconds is abandoned and the model told so."""
+    tool_concurrency: int = 8
+    """Tools: calls running at once (the rest wait); other trajectories keep generating meanwhile."""
+    drop_void_turns: bool = False
+    """Tools: leave out of training the answers with a void turn (one that ends with neither a tool call nor a
+    final answer), SimpleTIR's filter; they still count in their group's advantages. Off: ESS handles them."""
+
+    @property
+    def total_tokens(self) -> int:
+        """The token budget of one tool-using answer (max_total_tokens, or max_turns x max_new_tokens)."""
+        return self.max_total_tokens if self.max_total_tokens is not None else self.max_turns * self.max_new_tokens
 
     @property
     def auto_lag(self) -> bool:
@@ -181,6 +205,13 @@ class RolloutConfig:
         return self.max_auto_lag if self.max_lag == "auto" else int(self.max_lag)
 
     def __post_init__(self) -> None:
+        bounded_int(self.max_turns, "rollout.max_turns", 1)
+        if self.max_total_tokens is not None:
+            bounded_int(self.max_total_tokens, "rollout.max_total_tokens", 1)
+        bounded_int(self.max_tool_output_tokens, "rollout.max_tool_output_tokens", 16)
+        bounded_int(self.tool_concurrency, "rollout.tool_concurrency", 1)
+        if not (math.isfinite(self.tool_timeout_s) and self.tool_timeout_s > 0):
+            raise ValueError(f"rollout.tool_timeout_s={self.tool_timeout_s} must be a number of seconds > 0")
         if not isinstance(self.skip_decided, int) or self.skip_decided < 0:
             raise ValueError(f"rollout.skip_decided={self.skip_decided!r} must be an integer >= 0 (0 = off)")
         if self.prompts_per_step < 1:
@@ -292,6 +323,9 @@ class Config:
     rewards: RewardsConfig = field(default_factory=RewardsConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """Where code verifiers run model-written programs (applied to every code verifier without its own)."""
+    tools: list[ToolSpec] = field(default_factory=list)
+    """Tools the model may call mid-answer, each for the rows of its tasks (docs/tools.md); empty: none. They run
+    in the `sandbox` section's sandbox."""
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -333,6 +367,15 @@ class Config:
                 "held-out prompts generated for the built-in task: raise data.num_eval or lower eval.num_prompts"
             )
         _check_verifier_params(self.rewards)
+        try:
+            check_specs(list(self.tools))
+        except ValueError as exc:
+            raise ValueError(f"{exc} (the `tools` section; docs/tools.md)") from None
+        if self.tools and self.rollout.max_turns < 2:
+            raise ValueError(
+                f"tools are set but rollout.max_turns={self.rollout.max_turns}: the model could call a tool and never "
+                "read its result; set rollout.max_turns >= 2 (e.g. 4)"
+            )
         if self.rollout.sglang.lora_adapters and self.trainer.lora.rank == 0:
             raise ValueError(
                 "rollout.sglang.lora_adapters=true publishes LoRA adapters, but trainer.lora.rank=0 trains every "

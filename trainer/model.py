@@ -251,9 +251,14 @@ def save_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path:
 
 
 def encode_prompt(
-    tokenizer: PreTrainedTokenizerBase, prompt: str | None = None, messages: list[dict] | None = None
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str | None = None,
+    messages: list[dict] | None = None,
+    *,
+    tools: list[dict] | None = None,
 ) -> list[int]:
-    """Token ids of a plain prompt (no special tokens added) or of a chat rendered with the generation prompt."""
+    """Token ids of a plain prompt (no special tokens added) or of a chat rendered with the generation prompt (and
+    the tool schemas ``tools``, for a template that shows tools to the model)."""
     if (prompt is None) == (messages is None):
         raise ValueError("encode_prompt needs exactly one of prompt= or messages=")
     if prompt is not None:
@@ -263,7 +268,8 @@ def encode_prompt(
             f"tokenizer {tokenizer.name_or_path!r} has no chat template, so chat `messages` rows cannot be "
             f"rendered; use plain `prompt` rows, or a model whose tokenizer_config.json / chat_template.jinja has one"
         )
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    extra = {"tools": tools} if tools else {}
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     ids = (
         encoded["input_ids"] if not isinstance(encoded, list) else encoded
     )  # transformers 5: a BatchEncoding

@@ -76,18 +76,26 @@ class SFTConfig:
 
 @dataclass(frozen=True)
 class Example:
-    """One supervised sequence: token ids, and where the target (the trained tokens) starts."""
+    """One supervised sequence: token ids, where the target (the trained tokens) starts, and the positions past
+    that start that are not trained (a tool's output inside a tool-use transcript: context, not the model's)."""
 
     ids: tuple[int, ...]
     start: int
+    untrained: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.start < len(self.ids):
             raise ValueError(f"an example's target must start inside it (0 < {self.start} < {len(self.ids)})")
+        if any(not self.start <= i < len(self.ids) for i in self.untrained) or len(set(self.untrained)) != len(
+            self.untrained
+        ):
+            raise ValueError(f"an example's untrained positions must be distinct and in [{self.start}, {len(self.ids)})")
+        if len(self.untrained) >= len(self.ids) - self.start:
+            raise ValueError("an example must train on at least one token")
 
     @property
     def num_targets(self) -> int:
-        return len(self.ids) - self.start
+        return len(self.ids) - self.start - len(self.untrained)
 
 
 @dataclass
@@ -107,6 +115,8 @@ def collate(examples: list[Example], pad_id: int) -> MicroBatch:
         input_ids[i, : len(e.ids)] = torch.tensor(e.ids)
         attention_mask[i, : len(e.ids)] = 1
         loss_mask[i, e.start : len(e.ids)] = True
+        if e.untrained:
+            loss_mask[i, list(e.untrained)] = False
     return MicroBatch(input_ids, attention_mask, loss_mask)
 
 

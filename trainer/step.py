@@ -42,7 +42,9 @@ micro-batches and ranks as trainer/objective.py describes, plus `train/grad_norm
 `train/clipped` (1 when clipping changed the gradient), `train/lr`, `train/num_tokens`, `train/micro_batches`,
 `train/skipped` and `timing/train_step`; with `diagnose=True` also `train/grad_norm/policy` and
 `train/grad_norm/behaviour_kl`; with `TrainBatch.fresh` rows at policy lag 0, `loss/ess_lag0`,
-`loss/logprob_gap_lag0` and `loss/lag0_tokens` (the engine's mismatch apart from staleness). What each one
+`loss/logprob_gap_lag0` and `loss/lag0_tokens` (the engine's mismatch apart from staleness); with
+`TrainBatch.turns` (multi-turn trajectories), `loss/ess_turn/<k>`, `loss/logprob_gap_turn/<k>` and
+`loss/tokens_turn/<k>` for turns 0, 1, 2 and 3-or-later (`TURN_BUCKETS`). What each one
 means is in the metric glossary, trainer/README.md.
 """
 
@@ -101,6 +103,9 @@ class TrainBatch:
     """[B] bool, True for rows sampled with the weights the trainer holds (policy lag 0), or None (unknown).
     Their ratios differ from 1 only by the engine's mismatch with the trainer (precision, kernels, batching):
     `loss/ess_lag0` and `loss/logprob_gap_lag0` measure it apart from staleness."""
+    turns: Tensor | None = None
+    """[B, L] int64 model turn of token t in a multi-turn trajectory (-1 off the response), or None (one turn).
+    Only read for the per-turn metrics `loss/ess_turn/<k>` and `loss/logprob_gap_turn/<k>`."""
 
     def __post_init__(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature <= 0:
@@ -155,6 +160,11 @@ class TrainBatch:
             or tuple(self.fresh.shape) != (self.input_ids.shape[0],)
         ):  # fmt: skip
             raise ValueError(f"TrainBatch.fresh must be a [B] bool tensor or None ({shapes})")
+        if self.turns is not None and (
+            not isinstance(self.turns, Tensor) or self.turns.dtype != torch.int64
+            or self.turns.shape != self.input_ids.shape
+        ):  # fmt: skip
+            raise ValueError(f"TrainBatch.turns must be a [B, L] int64 tensor or None ({shapes})")
         bad_adv = self.loss_mask & ~torch.isfinite(self.advantages)
         if bad_adv.any():
             raise ValueError(
@@ -239,6 +249,7 @@ class _MicroBatch:
     advantages: Tensor
     ref_logprobs: Tensor | None
     fresh: Tensor | None = None  # [b] bool: rows at policy lag 0 (TrainBatch.fresh)
+    turns: Tensor | None = None  # [b, l] int64: each token's model turn (TrainBatch.turns)
 
 
 def _micro_batches(
@@ -259,6 +270,7 @@ def _micro_batches(
             mask = torch.zeros_like(mask)
         ref = batch.ref_logprobs[cols] if batch.ref_logprobs is not None else None
         fresh = batch.fresh[rows] if batch.fresh is not None else None
+        turns = batch.turns[cols] if batch.turns is not None else None
         out.append(
             _MicroBatch(
                 input_ids=batch.input_ids[cols].to(device, non_blocking=True),
@@ -268,6 +280,7 @@ def _micro_batches(
                 advantages=batch.advantages[cols].to(device, non_blocking=True),
                 ref_logprobs=ref.to(device, non_blocking=True) if ref is not None else None,
                 fresh=fresh.to(device, non_blocking=True) if fresh is not None else None,
+                turns=turns.to(device, non_blocking=True) if turns is not None else None,
             )
         )
     return out
@@ -433,6 +446,9 @@ def forward_backward(
         if mb.fresh is not None:
             for key, value in _lag0_sums(logprobs, mb).items():
                 result.add(key, value)
+        if mb.turns is not None:
+            for key, value in _turn_sums(logprobs, mb).items():
+                result.add(key, value)
         loss, metrics = policy_objective(
             logprobs,
             mb.old_logprobs,
@@ -527,6 +543,41 @@ def _lag0_metrics(reduced: dict[str, float]) -> dict[str, float]:
     }
 
 
+TURN_BUCKETS = 4
+"""Per-turn metrics for turns 0, 1, 2 and 3-or-later: as many keys on every rank, whatever its trajectories."""
+
+
+def _turn_sums(logprobs: Tensor, mb: _MicroBatch) -> dict[str, Tensor]:
+    """SUM-reduced sums per turn bucket over the micro-batch's valid tokens: Σr, Σr², n and Σ|log r| (detached)."""
+    assert mb.turns is not None
+    out: dict[str, Tensor] = {}
+    for k in range(TURN_BUCKETS):
+        in_turn = mb.turns == k if k < TURN_BUCKETS - 1 else mb.turns >= k
+        mask = mb.mask & in_turn
+        log_ratio = torch.where(mask, logprobs.detach().float() - torch.where(mask, mb.old_logprobs, 0.0), 0.0)
+        sums = ess_partial_sums(log_ratio.exp(), mask)
+        for name, value in zip(("sum_r", "sum_r2", "tokens", "sum_abs_log_r"),
+                               [*sums, log_ratio.abs().sum().to(torch.float64)], strict=True):  # fmt: skip
+            out[f"_turn{k}/{name}"] = value
+    return out
+
+
+def _turn_metrics(reduced: dict[str, float]) -> dict[str, float]:
+    """`loss/ess_turn/<k>`, `loss/logprob_gap_turn/<k>` and `loss/tokens_turn/<k>` from the reduced sums (popped);
+    a turn with no token in the step reports nothing."""
+    out: dict[str, float] = {}
+    for k in range(TURN_BUCKETS):
+        keys = [f"_turn{k}/{name}" for name in ("sum_r", "sum_r2", "tokens", "sum_abs_log_r")]
+        if keys[0] not in reduced:
+            continue
+        sums = [reduced.pop(key) for key in keys]
+        if sums[2] > 0:
+            out[f"loss/ess_turn/{k}"] = ess_from_sums(torch.tensor(sums[:3], dtype=torch.float64))
+            out[f"loss/logprob_gap_turn/{k}"] = sums[3] / sums[2]
+            out[f"loss/tokens_turn/{k}"] = sums[2]
+    return out
+
+
 def reduce_metrics(result: PassResult, ess_scope: EssScope, reducer: Reducer) -> dict[str, float]:
     """The pass's metrics over micro-batches and ranks: SUM keys summed, `/max` keys maxed, and `loss/ess`."""
     reduced: dict[str, float] = {}
@@ -542,6 +593,7 @@ def reduce_metrics(result: PassResult, ess_scope: EssScope, reducer: Reducer) ->
             reduced[key] = value
     reduced["loss/ess"] = ess_scope.reported(reduced, result.ess_values)
     reduced.update(_lag0_metrics(reduced))
+    reduced.update(_turn_metrics(reduced))
     return reduced
 
 

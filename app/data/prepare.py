@@ -78,10 +78,11 @@ class Prompts:
     """The completion budget they were checked against (fitted, with ``fit``)."""
 
 
-def encode_rows(tokenizer, rows: list[PromptRow]) -> list[list[int]]:
+def encode_rows(tokenizer, rows: list[PromptRow], chat_tools: dict[str, list[dict]] | None = None) -> list[list[int]]:
     """Token ids of each row as the rollout engines get them (`encode_prompt`: plain prompts without special
-    tokens, chats through the chat template); plain prompts are tokenized in batches (fast tokenizers run them
-    in Rust), which gives the same ids as one at a time."""
+    tokens, chats through the chat template, with ``chat_tools[row.task]``'s tool schemas when given); plain
+    prompts are tokenized in batches (fast tokenizers run them in Rust), which gives the same ids as one at a
+    time."""
     out: list[list[int] | None] = [None] * len(rows)
     plain = [i for i, row in enumerate(rows) if row.prompt is not None]
     for start in range(0, len(plain), 4096):
@@ -92,7 +93,7 @@ def encode_rows(tokenizer, rows: list[PromptRow]) -> list[list[int]]:
     for i, row in enumerate(rows):
         if row.prompt is None:
             try:
-                out[i] = encode_prompt(tokenizer, None, row.messages)
+                out[i] = encode_prompt(tokenizer, None, row.messages, tools=(chat_tools or {}).get(row.task))
             except ValueError as exc:  # e.g. a model without a chat template for `messages` rows
                 raise DatasetError(f"{row.origin or 'a row'}: cannot tokenize its messages: {exc}") from None
     return out  # type: ignore[return-value]
@@ -109,6 +110,7 @@ def prepare_prompts(
     new_tokens_key: str = "rollout.max_new_tokens",
     keep: int | None = None,
     fit: bool = False,
+    chat_tools: dict[str, list[dict]] | None = None,
 ) -> Prompts:
     """``rows`` tokenized for ``model`` and checked against its context, leaving ``max_new_tokens`` for each
     completion; a longer prompt is an error or dropped (``on_long_prompt``), and dropping every prompt is an error.
@@ -116,13 +118,14 @@ def prepare_prompts(
     ``source_key`` / ``source`` and ``new_tokens_key`` name the data and the budget in messages. ``keep``: only
     the first ``keep`` rows that fit are wanted, so rows are tokenized until that many are kept. ``fit``: the
     budget is ``max_new_tokens`` or less, what the longest prompt leaves of the context (at least 1).
+    ``chat_tools``: per task, the tool schemas chat prompts are rendered with (hermes tool calls).
     """
     context = model.context
     if context is None:  # the model states no context length: nothing to check against
         chosen = rows[:keep]
-        return Prompts(chosen, encode_rows(model.tokenizer, chosen), 0, max_new_tokens)
+        return Prompts(chosen, encode_rows(model.tokenizer, chosen, chat_tools), 0, max_new_tokens)
     if fit:
-        ids = encode_rows(model.tokenizer, rows)
+        ids = encode_rows(model.tokenizer, rows, chat_tools)
         max_new_tokens = max(1, min(max_new_tokens, context - max((len(p) for p in ids), default=0)))
     limit = context - max_new_tokens
     why = (
@@ -142,7 +145,7 @@ def prepare_prompts(
         while len(kept) < wanted and start < len(rows):
             chunk = rows[start : start + wanted - len(kept)]
             start += len(chunk)
-            more, more_ids, more_dropped = limit_prompt_lengths(chunk, encode_rows(model.tokenizer, chunk), **check)
+            more, more_ids, more_dropped = limit_prompt_lengths(chunk, encode_rows(model.tokenizer, chunk, chat_tools), **check)
             kept += more
             kept_ids += more_ids
             dropped += more_dropped

@@ -55,6 +55,12 @@ WORD_PROBLEM_INSTRUCTION = (
     "number in \\boxed{}, for example \\boxed{12}."
 )
 """The system message of every builtin:word_problems row (and of every data.format=gsm8k row)."""
+WORD_PROBLEM_TOOL_INSTRUCTION = (
+    "Solve the math word problem with Python. Write a short program in a ```python block that prints the answer; "
+    "you will see what it prints. Then write the final answer as a single number in \\boxed{}, for example "
+    "\\boxed{12}."
+)
+"""The system message of builtin:word_problems rows with `solutions: tool` (the python tool, fenced calls)."""
 HUMANEVAL_REQUEST = (
     "Complete the following Python function.\n\n```python\n{prompt}\n```\n\n"
     "Answer with the complete function in a ```python block."

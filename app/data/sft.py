@@ -12,6 +12,12 @@ tokens it is later sampled from. The target is then:
   that is an error naming the model and the fix, never a guess. What a template writes after the stop token
   (a newline) is not trained: generation ends at the stop token.
 
+Tool-use transcripts (rows of a task that has tools, given a ``transcripts`` format): the reply is split into
+the model's text and the tools' observations (`ToolFormat.split_transcript`), each piece tokenized on its own and
+the observation's ``before + body + after`` each apart, exactly as a rollout builds the trajectory
+(app/rollout/episodes.py), then the end of the turn; the observations' tokens are context, not targets
+(`Example.untrained`). A chat template must wrap the reply in nothing but its end-of-turn token for this.
+
 An example longer than the model's context is an error naming the file, the row and the fix, or, with
 ``sft.on_long=drop``, left out and counted. Nothing is ever cut short.
 """
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 
 from app.data.prepare import ModelText
 from app.data.rows import _MAX_REPORTED_ERRORS, DatasetError, PromptRow
+from tools.formats import ToolFormat
 from trainer.model import encode_prompt
 from trainer.sft import Example
 
@@ -75,6 +82,28 @@ def chat_target(tokenizer, prompt_ids: list[int], messages: list[dict], completi
     return reply[: end + 1]
 
 
+def transcript_target(
+    tokenizer, completion: str, fmt: ToolFormat, end: list[int]
+) -> tuple[list[int], list[int]]:
+    """A tool-use transcript's reply tokens (each piece tokenized apart, as a rollout builds them; module
+    docstring) followed by ``end``, and the positions in it of the observations' tokens."""
+    ids: list[int] = []
+    untrained: list[int] = []
+
+    def encode(piece: str) -> list[int]:
+        return list(tokenizer(piece, add_special_tokens=False)["input_ids"]) if piece else []
+
+    for piece, by_model in fmt.split_transcript(completion):
+        if by_model:
+            ids += encode(piece)
+            continue
+        body = piece[len(fmt.before) : len(piece) - len(fmt.after)]
+        tokens = encode(fmt.before) + encode(body) + encode(fmt.after)
+        untrained += range(len(ids), len(ids) + len(tokens))
+        ids += tokens
+    return ids + end, untrained
+
+
 def tokenize_examples(
     rows: list[PromptRow],
     text: ModelText,
@@ -82,8 +111,11 @@ def tokenize_examples(
     on_long: str = "error",
     source_key: str = "data.train",
     source: str = "",
+    transcripts: ToolFormat | None = None,
+    tool_tasks: frozenset[str] = frozenset(),
 ) -> Examples:
-    """Every row as an `Example` (prompt + target ids, the target's start); see the module docstring."""
+    """Every row as an `Example` (prompt + target ids, the target's start); see the module docstring.
+    ``transcripts``: the tool-call format of the rows whose task is in ``tool_tasks``."""
     tokenizer = text.tokenizer
     stop = set(text.stop_token_ids)
     if tokenizer.eos_token_id is None:
@@ -105,13 +137,22 @@ def tokenize_examples(
             target = list(tokenizer(row.completion, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
         else:
             target = chat_target(tokenizer, prompt, row.messages, row.completion, stop, _where(row))
+        untrained: list[int] = []
+        if transcripts is not None and row.task in tool_tasks:
+            if row.prompt is None and tokenizer.decode(target[:-1]).strip() != row.completion.strip():
+                raise DatasetError(
+                    f"{_where(row)}: the chat template of {text.where} wraps the assistant's reply in more than its "
+                    "end-of-turn token, so a tool-use transcript cannot be tokenized as rollouts build it; use "
+                    "plain prompt + completion rows"
+                )
+            target, untrained = transcript_target(tokenizer, row.completion, transcripts, target[-1:])
         ids = prompt + target
         if not prompt:
             raise DatasetError(f"{_where(row)}: the prompt renders to no tokens; write a prompt")
         if text.context is not None and len(ids) > text.context:
             long.append((row, len(ids)))
             continue
-        examples.append(Example(tuple(ids), len(prompt)))
+        examples.append(Example(tuple(ids), len(prompt), tuple(len(prompt) + i for i in untrained)))
         kept.append(row)
     if long and on_long == "error":
         shown = [f"{_where(r)}: {n} tokens" for r, n in long[:_MAX_REPORTED_ERRORS]]

@@ -27,7 +27,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from app.config import Config
+from app.config import Config, ConfigError
 from app.data import load_split
 from app.data.prepare import ModelText, prepare_prompts
 from app.engines import EngineOptions, open_engine
@@ -36,6 +36,7 @@ from app.evaluation.run import EvalResult, sample_and_score
 from app.models import fetch, lookup
 from app.rollout.base import SamplingParams
 from app.scoring import rewards_with_sandbox
+from app.tooling import load_toolkit, open_tool_rollouts, tool_format
 from rewards import check_tasks
 from rewards.runner import RewardRunner
 
@@ -74,8 +75,18 @@ def evaluate_model(
     data_source = cfg.data.eval if split == "eval" else cfg.data.train
     rows = load_split(cfg.data, split)[: cfg.eval.num_prompts]
     check_tasks(cfg.rewards, {row.task for row in rows})
+    try:
+        kit = load_toolkit(cfg.tools)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     model_dir = fetch(source, tracking_uri=tracking_uri)
     text = ModelText.from_dir(model_dir)
+    if kit is not None:
+        try:  # a format this model cannot write stops here, before any engine starts
+            tool_format(cfg.rollout.tool_format, text.tokenizer, str(model_dir))
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    fit = fit and kit is None  # a tool-using answer's budget is rollout.max_total_tokens
     prompts = prepare_prompts(
         rows,
         text,
@@ -85,7 +96,13 @@ def evaluate_model(
         source_key=f"data.{split}",
         source=data_source,
         new_tokens_key="eval.max_new_tokens",
+        chat_tools=kit.chat_tools(cfg.rollout.tool_format) if kit is not None else None,
     )
+    if kit is not None and text.context is not None:
+        over = [len(ids) for ids in prompts.ids if len(ids) + cfg.rollout.total_tokens > text.context]
+        if over:  # the episode stops at the context anyway; say so once instead of cutting answers silently
+            log.warning("%d prompts leave less than rollout.max_total_tokens=%d of the context (%d) for the answer",
+                        len(over), cfg.rollout.total_tokens, text.context)  # fmt: skip
     settings = replace(settings, max_new_tokens=prompts.max_new_tokens)
     n = settings.samples_per_prompt
     params = SamplingParams(
@@ -110,7 +127,28 @@ def evaluate_model(
     with open_engine(engine, model_dir, options) as opened, RewardRunner(
         rewards_with_sandbox(cfg.rewards, cfg.sandbox)
     ) as runner:
-        if opened.kind == "embedded":
+        if kit is not None:
+
+            async def with_tools() -> EvalResult:
+                engine = opened.engine
+                try:
+                    if opened.kind != "embedded":
+                        await engine.wait_healthy()
+                    with open_tool_rollouts(kit, cfg.rollout, cfg.sandbox, engine.generate, text.tokenizer,
+                                            context=text.context, where=str(model_dir)) as tools:  # fmt: skip
+                        loop = asyncio.get_running_loop()
+
+                        def generate(prompt_ids, call_params, progress, tasks):
+                            sampled = tools.generate(prompt_ids, call_params, tasks, progress=progress)
+                            return asyncio.run_coroutine_threadsafe(sampled, loop).result()
+
+                        return await asyncio.to_thread(run, generate, runner)
+                finally:
+                    if opened.kind != "embedded":
+                        await engine.close()
+
+            result = asyncio.run(with_tools())
+        elif opened.kind == "embedded":
             result = run(opened.engine, runner)
         else:
 

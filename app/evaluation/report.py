@@ -61,6 +61,7 @@ def metrics(result: EvalResult) -> dict[str, float]:
     out["eval/dropped_long_prompts"] = float(result.dropped)
     for key, value in timings(result).items():
         out[f"timing/eval/{key}"] = value
+    out.update({f"eval/{key}": value for key, value in result.rollout_metrics.items()})
     return out
 
 
@@ -92,6 +93,7 @@ def to_json(result: EvalResult) -> dict:
         "reward_error_rate": result.error_rate,
         "answer_rate": result.answer_rate,
         "completion_tokens_mean": result.mean_completion_tokens,
+        "rollout_metrics": result.rollout_metrics,
         "timings": timings(result),
         "tracking_uri": result.tracking_uri,
         "mlflow_run_id": result.mlflow_run_id,
@@ -177,6 +179,16 @@ def results_table(result: EvalResult):
         table.add_row("answer found (format)", f"{100 * result.answer_rate:.2f}%", "")
     table.add_row("verifier error rate", f"{100 * result.error_rate:.2f}%", "")
     table.add_row("completion tokens (mean)", f"{result.mean_completion_tokens:.1f}", "")
+    tools = result.rollout_metrics
+    if tools:
+        table.add_row("tool calls per answer", f"{tools['tools/calls_per_trajectory']:.2f}", "")
+        table.add_row("tool error rate", f"{100 * tools['tools/error_rate']:.2f}%", "")
+        table.add_row("turns per answer", f"{tools['rollout/turns/mean']:.2f}", "")
+        statuses = ", ".join(
+            f"{key.rpartition('/')[2]} {100 * value:.1f}%" for key, value in tools.items()
+            if key.startswith("rollout/status/") and value > 0
+        )  # fmt: skip
+        table.add_row("answers ended", statuses, "")
     t = timings(result)
     footer = Text(
         f"pass@k = 1 - C(n-c,k)/C(n,k) per prompt, averaged; s.e. clustered by prompt. Sampling "

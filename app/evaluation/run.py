@@ -35,6 +35,7 @@ import torch
 from app.data import PromptRow
 from app.evaluation.metrics import PassAtK, clustered_stderr, reported_ks, summarize
 from app.rollout.base import Completion, RolloutEngine, SamplingParams
+from app.rollout.trajectory import completion_text, trajectory_metrics
 from app.scoring import score_texts
 from rewards import Score
 from rewards.runner import RewardRunner
@@ -48,9 +49,9 @@ log = logging.getLogger("trustbatch")
 
 OnDone = Callable[[int], None]
 """Told the number of completions an engine has just finished (progress reports)."""
-Generate = Callable[[list[list[int]], SamplingParams, OnDone | None], list[Completion]]
-"""A blocking generate call: prompts (token ids), sampling settings and a progress hook in, prompt-major
-completions out."""
+Generate = Callable[[list[list[int]], SamplingParams, OnDone | None, list[str]], list[Completion]]
+"""A blocking generate call: prompts (token ids), sampling settings, a progress hook and each prompt's task (which
+says whether its row may call tools) in, prompt-major completions out."""
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ class Sample:
     """Index of the prompt in the evaluated rows."""
     completion: Completion
     text: str
+    """What the verifier read (a tool-using answer: the model's own text, the tools' outputs left out)."""
     score: Score
+    transcript: str | None = None
+    """A tool-using answer whole, the tools' outputs included (None for a single-turn answer)."""
 
     @property
     def correct(self) -> bool:
@@ -69,13 +73,17 @@ class Sample:
 
     def record(self) -> dict:
         """The completion as JSON: text, verdict, reward, finish reason, error (eval's --out, training's eval/)."""
-        return {
+        out = {
             "text": self.text,
             "correct": self.correct,
             "reward": float(self.score.reward),
             "finish_reason": self.completion.finish_reason,
             "error": self.score.error,
         }
+        if self.transcript is not None:
+            meta = self.completion.meta
+            out.update(transcript=self.transcript, status=meta.get("status"), tool_calls=meta.get("tool_calls"))
+        return out
 
     @property
     def answered(self) -> bool | None:
@@ -103,6 +111,9 @@ class EvalResult:
     samples: list[Sample] = field(default_factory=list)
     reward_metrics: dict[str, float] = field(default_factory=dict)
     """The reward runner's metrics of this rank's samples (reward/mean, reward/error_rate, ...)."""
+    rollout_metrics: dict[str, float] = field(default_factory=dict)
+    """What this rank's tool-using answers did (statuses, turns, tool calls; `trajectory_metrics`); empty
+    without tools."""
     generate_s: float = 0.0
     score_s: float = 0.0
     rows: list[PromptRow] = field(default_factory=list)
@@ -203,13 +214,13 @@ def blocking(engine_or_generate: RolloutEngine | Generate, loop: asyncio.Abstrac
         return engine_or_generate
     engine = engine_or_generate
     if hasattr(engine, "generate_sync"):
-        return lambda prompts, params, progress: engine.generate_sync(prompts, params, progress=progress)
+        return lambda prompts, params, progress, tasks: engine.generate_sync(prompts, params, progress=progress)
     if loop is None:
         raise ValueError(
             f"{type(engine).__name__} is asynchronous: pass loop=, the running event loop it was built in, "
             "and call sample_and_score from another thread (e.g. asyncio.to_thread)"
         )
-    return lambda prompts, params, progress: asyncio.run_coroutine_threadsafe(
+    return lambda prompts, params, progress, tasks: asyncio.run_coroutine_threadsafe(
         engine.generate(prompts, params, progress=progress), loop
     ).result()
 
@@ -247,7 +258,7 @@ def sample_and_score(
         for call, first in enumerate(range(0, len(mine), size)):
             chosen = mine[first : first + size]
             call_params = params if call == 0 or params.seed is None else replace(params, seed=params.seed + call)
-            got = generate([ids[i] for i in chosen], call_params, progress)
+            got = generate([ids[i] for i in chosen], call_params, progress, [rows[i].task for i in chosen])
             if len(got) != len(chosen) * params.n:
                 raise RuntimeError(
                     f"the engine returned {len(got)} completions for {len(chosen)} prompts x n={params.n}"
@@ -259,13 +270,17 @@ def sample_and_score(
             progress.close()
     generate_s = time.perf_counter() - start
     start = time.perf_counter()
-    texts = [decode(c.output_ids) for c in completions]
+    texts = [completion_text(c, decode) for c in completions]
     scores, metrics = score_texts(runner, [rows[i] for i in owners], texts) if completions else ([], {})
-    samples = [Sample(i, c, text, score) for i, c, text, score in zip(owners, completions, texts, scores, strict=True)]
+    samples = [
+        Sample(i, c, text, score, decode(c.output_ids) if c.output_versions is not None else None)
+        for i, c, text, score in zip(owners, completions, texts, scores, strict=True)
+    ]
     result = EvalResult.from_samples(samples, len(rows), params.n, reducer)
     return replace(
-        result, reward_metrics=metrics, generate_s=generate_s, score_s=time.perf_counter() - start, rows=rows
-    )
+        result, reward_metrics=metrics, rollout_metrics=trajectory_metrics(completions), generate_s=generate_s,
+        score_s=time.perf_counter() - start, rows=rows,
+    )  # fmt: skip
 
 
 def _counts(samples: list[Sample], num_prompts: int, reducer: Reducer) -> tuple[list[int], int, int]:

@@ -51,8 +51,16 @@ class Completion:
     """Behaviour logprob of each output token under the distribution it was sampled from."""
     finish_reason: Literal["stop", "length", "abort"]
     policy_version: int
-    """Version of the weights that produced it (SGLang's ``weight_version``)."""
+    """Version of the weights that produced it (SGLang's ``weight_version``); for a multi-turn trajectory the
+    oldest version among its sampled tokens (what the lag bound counts)."""
     meta: dict = field(default_factory=dict)
+    output_mask: list[bool] | None = None
+    """Per output token: sampled by the policy (True) or a tool's (False, never trained on); None: all sampled.
+    Set for multi-turn trajectories (app/rollout/trajectory.py), as are the two below."""
+    output_versions: list[int] | None = None
+    """Per output token: the policy version that sampled it (-1 for a tool's token); None: all policy_version."""
+    output_turns: list[int] | None = None
+    """Per output token: its model turn (0, 1, ...); None: a single turn."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from app.data import DataConfig, load_split
 from app.data.prepare import ModelText
 from app.data.sft import tokenize_examples
 from app.training.sft_loop import FitSettings, fit
+from tools.formats import FencedFormat
 from trainer.model import build_tiny_model, build_tiny_tokenizer, save_model
 
 log = logging.getLogger("trustbatch")
@@ -38,7 +39,10 @@ def bootstrap(model_cfg: ModelConfig, data_cfg: DataConfig, out: Path, *, show_p
     model = build_tiny_model(model_cfg.tiny, tokenizer)
     rows = load_split(data_cfg, "train", "sft")
     text = ModelText(tokenizer, model_cfg.tiny.max_position_embeddings, "model.tiny (model.bootstrap=true)")
-    examples = tokenize_examples(rows, text, on_long="drop", source=data_cfg.train).examples
+    # Tool transcripts (data.arithmetic.solutions=tool): the tool's output blocks are context, not targets.
+    tool = data_cfg.train == "builtin:arithmetic" and data_cfg.arithmetic.solutions == "tool"
+    transcripts = dict(transcripts=FencedFormat(), tool_tasks=frozenset({"math"})) if tool else {}
+    examples = tokenize_examples(rows, text, on_long="drop", source=data_cfg.train, **transcripts).examples
     sft = model_cfg.sft
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

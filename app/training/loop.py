@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from app.config import Config, ConfigError
 from app.rollout.fleet import PublishHooks
+from app.rollout.trajectory import completion_text, trajectory_metrics
 from app.scoring import score_texts
 from app.training.batching import build_train_batch
 from app.training.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
@@ -94,8 +95,10 @@ async def train(p: Parts, t_start: float) -> dict:
     )  # fmt: skip
     loop = asyncio.get_running_loop()
 
-    def generate_blocking(prompts, params, progress):  # for evaluation, which runs in a worker thread
-        return asyncio.run_coroutine_threadsafe(p.fleet.generate(prompts, params, progress=progress), loop).result()
+    def generate_blocking(prompts, params, progress, tasks):  # for evaluation, which runs in a worker thread
+        sampled = p.fleet.generate(prompts, params, progress=progress) if p.tools is None else p.tools.generate(
+            prompts, params, tasks, progress=progress)  # fmt: skip
+        return asyncio.run_coroutine_threadsafe(sampled, loop).result()
 
     async def evaluate(step: int) -> dict[str, float]:
         await p.fleet.flush()  # the engines hold the weights of `step`
@@ -203,17 +206,18 @@ async def produce(
         ticket: int, bound: int, chosen: list[int], turn: asyncio.Future | None, mine: asyncio.Future
     ):
         try:
-            completions = await p.fleet.generate(
+            completions = await p.rollouts(
                 [p.train.ids[i] for i in chosen],
                 replace(p.sampling, seed=cfg.run.seed * 100_003 + ticket * 64 + p.dist.rank),
+                [p.train.rows[i].task for i in chosen],
             )
             finished.add(ticket)
             while generated.value + 1 in finished:  # the watermark: every ticket up to it has generated
                 await generated.advance(generated.value + 1)
             rows = [p.train.rows[i] for i in chosen for _ in range(p.sampling.n)]
-            texts = [p.text.decode(c.output_ids) for c in completions]
+            texts = [completion_text(c, p.text.decode) for c in completions]  # a tool's output is not the answer
             scores, scoring = await asyncio.to_thread(score_texts, p.runner, rows, texts)
-            n, record = p.sampling.n, Ticket(ticket, scoring, lag_bound=bound)
+            n, record = p.sampling.n, Ticket(ticket, {**scoring, **trajectory_metrics(completions)}, lag_bound=bound)
             groups = [
                 Group(record, completions[k * n : (k + 1) * n], scores[k * n : (k + 1) * n])
                 for k in range(len(chosen))

@@ -27,11 +27,12 @@ from app.data import PromptRow, load_split
 from app.data.prepare import ModelText, Prompts, prepare_prompts
 from app.engines import EngineOptions, open_engine
 from app.evaluation.held_out import HeldOut
-from app.rollout.base import SamplingParams
+from app.rollout.base import Completion, SamplingParams
 from app.rollout.fleet import Fleet
 from app.rollout.probe import PublishCheck, probe_ids
 from app.rollout.sglang_server import LoraServing
 from app.scoring import rewards_with_sandbox
+from app.tooling import ToolKit, ToolRollouts, load_toolkit, open_tool_rollouts
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
 from app.training.resume import Resume, set_aside
@@ -79,7 +80,16 @@ class Parts:
     """How rollouts sample (rollout.*; n = group_size)."""
     resume: Resume
     closing: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
-    """The engine's servers and the reward runner, closed by `close`."""
+    """The engine's servers, the reward runner and the tool pool, closed by `close`."""
+    tools: ToolRollouts | None = None
+    """Multi-turn tool rollouts (the `tools` section; app/tooling.py), or None."""
+
+    async def rollouts(self, prompts: list[list[int]], params: SamplingParams, tasks: list[str]) -> list[Completion]:
+        """Sample ``params.n`` completions of each prompt through the fleet: tool episodes for the rows of a task
+        with tools (``tasks``: each prompt's row's task), one request for the others."""
+        if self.tools is None:
+            return await self.fleet.generate(prompts, params)
+        return await self.tools.generate(prompts, params, tasks)
 
     def close(self) -> None:
         self.closing.close()
@@ -98,15 +108,23 @@ class PromptSets:
         return {"train": self.train.dropped, "eval": self.eval.dropped}
 
 
-def run_prompts(cfg: Config, text: ModelText, train_rows: list[PromptRow], eval_rows: list[PromptRow]) -> PromptSets:
+def run_prompts(
+    cfg: Config, text: ModelText, train_rows: list[PromptRow], eval_rows: list[PromptRow], kit: ToolKit | None = None
+) -> PromptSets:
     """The training rows, and the eval rows an evaluation uses (the first eval.num_prompts that fit), tokenized
-    and checked against the model's context (`prepare_prompts`)."""
-    common = dict(on_long_prompt=cfg.data.on_long_prompt, new_tokens_key="rollout.max_new_tokens")
+    and checked against the model's context (`prepare_prompts`). With tools, each prompt leaves room for a whole
+    tool-using answer (rollout.max_total_tokens) and hermes prompts show the tools' schemas."""
+    tools = kit is not None
+    common = dict(
+        on_long_prompt=cfg.data.on_long_prompt,
+        new_tokens_key="rollout.max_total_tokens" if tools else "rollout.max_new_tokens",
+        chat_tools=kit.chat_tools(cfg.rollout.tool_format) if tools else None,
+    )
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.rollout.total_tokens if tools else 0)
     train = prepare_prompts(
-        train_rows, text, max_new_tokens=cfg.rollout.max_new_tokens, source_key="data.train",
-        source=cfg.data.train, **common,
+        train_rows, text, max_new_tokens=new_tokens, source_key="data.train", source=cfg.data.train, **common,
     )  # fmt: skip
-    eval_new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens or 0)
+    eval_new_tokens = max(new_tokens, cfg.eval.max_new_tokens or 0)
     held_out = prepare_prompts(
         eval_rows, text, max_new_tokens=eval_new_tokens, source_key="data.eval", source=cfg.data.eval,
         keep=cfg.eval.num_prompts, **common,
@@ -188,8 +206,12 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     train_rows = load_split(cfg.data, "train")
     eval_rows = load_split(cfg.data, "eval")
     check_run_tasks(cfg, train_rows + eval_rows[: cfg.eval.num_prompts])
+    try:
+        kit = load_toolkit(cfg.tools)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     text = early_text(cfg)
-    sets = run_prompts(cfg, text, train_rows, eval_rows) if text is not None else None
+    sets = run_prompts(cfg, text, train_rows, eval_rows, kit) if text is not None else None
 
     dist = start_process(cfg, resume)
     reducer = dist.reducer()
@@ -197,13 +219,21 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
     if sets is None:  # a hub model: its tokenizer and context are known now
         text = ModelText.from_model(model, tokenizer, cfg.model.path)
-        sets = run_prompts(cfg, text, train_rows, eval_rows)
+        sets = run_prompts(cfg, text, train_rows, eval_rows, kit)
     assert text is not None
     check_run_tasks(cfg, sets.train.rows + sets.eval.rows)
 
     closing = contextlib.ExitStack()
     try:
         fleet = start_fleet(cfg, closing, model_dir, dist, resume, tokenizer)
+        tools = None
+        if kit is not None:
+            try:
+                tools = closing.enter_context(open_tool_rollouts(
+                    kit, cfg.rollout, cfg.sandbox, fleet.generate, tokenizer, context=text.context, where=str(model_dir)
+                ))  # fmt: skip
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
         reference = frozen_reference(model, cfg, dist) if cfg.objective.ref_kl_coef > 0 else None
         optimizer, scheduler = make_trainable(model, cfg, dist, cfg.run.steps)
         if resume.checkpoint is not None:
@@ -264,6 +294,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         ),
         resume=resume,
         closing=closing,
+        tools=tools,
     )
 
 

@@ -36,6 +36,7 @@ from app.data.prepare import ModelText
 from app.data.sft import Examples, tokenize_examples
 from app.evaluation.command import evaluate_model
 from app.evaluation.run import EvalResult
+from app.tooling import tool_format
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
 from app.training.resume import resume_run
@@ -66,7 +67,10 @@ def run_sft(cfg: Config) -> dict:
     model_dir = ensure_model(cfg.model, cfg.data, is_main=dist.is_main, barrier=barrier, tracking_uri=cfg.tracking_uri)
     model, tokenizer = load_model(str(model_dir), dtype=cfg.model.dtype)
     text = ModelText.from_model(model, tokenizer, str(model_dir))
-    common = dict(on_long=cfg.sft.on_long)
+    # Tool-use transcripts (rows of a task with tools): the tools' outputs are context, not targets.
+    transcripts = tool_format(cfg.rollout.tool_format, tokenizer, str(model_dir)) if cfg.tools else None
+    tool_tasks = frozenset(task for spec in cfg.tools for task in spec.tasks)
+    common = dict(on_long=cfg.sft.on_long, transcripts=transcripts, tool_tasks=tool_tasks)
     train = tokenize_examples(train_rows, text, source_key="data.train", source=cfg.data.train, **common)
     held = tokenize_examples(eval_rows, text, source_key="data.eval", source=cfg.data.eval, **common)
     total_steps = cfg.sft.total_steps(len(train.examples))

@@ -1,10 +1,11 @@
 """The dependency rule of the README's layout section, enforced on every import in the tree.
 
-Every `import` and `from ... import` of every module under app/, trainer/, rewards/ and sandbox/ is read with
+Every `import` and `from ... import` of every module under app/, trainer/, rewards/, tools/ and sandbox/ is read with
 `ast` (imports inside functions and under `TYPE_CHECKING` included, relative imports resolved), and checked:
 
 - nothing outside app/ imports `app`, and nothing imports `app.cli` (the top of the tree);
 - `rewards` and `sandbox` never import `app` or `trainer`; `sandbox` never imports `rewards`;
+- `tools` (the model's tools) imports only `sandbox` of the tree: never `app`, `trainer` or `rewards`;
 - `trainer/objective.py` and `trainer/advantages.py` import only the standard library and torch;
 - `app/rollout` imports `trainer` only through the joint (`app/rollout/joint.py`), and never `app.training`,
   `app.serving` or `app.evaluation` (it talks to servers over HTTP and to the trainer through the joint);
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("app", "trainer", "rewards", "sandbox")
+PACKAGES = ("app", "trainer", "rewards", "sandbox", "tools")
 JOINT = "app.rollout.joint"
 PURE = ("trainer.objective", "trainer.advantages")
 MAX_LINES = 700
@@ -100,6 +101,10 @@ def broken_rules(src: str, dst: str) -> list[str]:
         rules.append("rewards and sandbox never import trainer")
     if within(src, "sandbox") and within(dst, "rewards"):
         rules.append("sandbox never imports rewards")
+    if within(src, "tools") and (within(dst, "trainer") or within(dst, "rewards")):
+        rules.append("tools imports only sandbox of the tree")
+    if within(src, "sandbox") and within(dst, "tools"):
+        rules.append("sandbox never imports tools")
     if src in PURE and top not in sys.stdlib_module_names and top not in ("torch", "__future__"):
         rules.append("the pure algorithm modules import only the standard library and torch")
     if within(src, "app.rollout"):
@@ -248,6 +253,7 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
         "app/evaluation/run.py": "from app.rollout.sglang import SGLangClient\nclient = SGLangClient(cfg)\n",
         "app/engines.py": "engine = EmbeddedEngine.from_pretrained(path)\n",  # allowed: the opener
         "app/long.py": "x = 1\n" * (MAX_LINES + 1),
+        "tools/__init__.py": "from rewards import Score\nfrom sandbox import execute\n",  # the second is allowed
     }
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +270,7 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
         "app/training/loop.py:1: app.training.loop imports app.cli",
         "app/serving/openai.py:1: app.serving.openai imports app.training.loop",
         "app/data/__init__.py:1: app.data imports app.config (app/data imports nothing",
+        "tools/__init__.py:1: tools imports rewards (tools imports only sandbox",
     ]
     for prefix in expected:
         assert any(v.startswith(prefix) for v in found), (prefix, found)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from app.data.rows import PromptRow
+from tools.formats import FencedFormat
 
 _OPERATORS = "+-*"
 TEST_FRACTION = 10
@@ -31,13 +32,15 @@ class ArithmeticConfig:
     """Operators to draw from, a subset of '+-*' (no division: answers stay exact integers)."""
     seed: int = 0
     """Seed of the generator; the train/test assignment does not depend on it, so splits never overlap."""
-    solutions: Literal["answer", "worked"] = "answer"
+    solutions: Literal["answer", "worked", "tool"] = "answer"
     """The reply `trustbatch sft` (and model.bootstrap) learns, each row's `completion`: the answer alone
-    (`18`), or worked step by step in the \\boxed{} answer format (`5*3=15. 7+15=22. 22-4=18. \\boxed{18}`)."""
+    (`18`), worked step by step in the \\boxed{} answer format (`5*3=15. 7+15=22. 22-4=18. \\boxed{18}`), or
+    computed with the python tool (a ```python block printing the expression, its ```output block, then the
+    boxed answer; docs/tools.md)."""
 
     def __post_init__(self) -> None:
-        if self.solutions not in ("answer", "worked"):
-            raise ValueError(f"data.arithmetic.solutions={self.solutions!r}: choose answer or worked")
+        if self.solutions not in ("answer", "worked", "tool"):
+            raise ValueError(f"data.arithmetic.solutions={self.solutions!r}: choose answer, worked or tool")
         if self.min_ops < 1:
             raise ValueError(f"data.arithmetic.min_ops={self.min_ops} must be >= 1")
         if self.max_ops < self.min_ops:
@@ -70,6 +73,17 @@ def evaluate_expression(expr: str) -> int:
             total += sign * term
             sign, term = (1 if char == "+" else -1), 1
     return total
+
+
+def solution(expr: str, kind: str) -> str:
+    """The reply of `ArithmeticConfig.solutions` ``kind`` for ``expr``."""
+    value = evaluate_expression(expr)
+    if kind == "worked":
+        return worked_solution(expr)
+    if kind == "tool":
+        fenced = FencedFormat()
+        return f"```python\nprint({expr})\n```{fenced.before}{value}{fenced.after}\\boxed{{{value}}}"
+    return str(value)
 
 
 def worked_solution(expr: str) -> str:
@@ -151,7 +165,7 @@ def arithmetic_prompts(cfg: ArithmeticConfig, split: Literal["train", "test"], n
                 task="math",
                 id=f"arithmetic-{split}-{len(rows)}",
                 metadata={"source": "builtin:arithmetic", "num_ops": k},
-                completion=worked_solution(expr) if cfg.solutions == "worked" else str(evaluate_expression(expr)),
+                completion=solution(expr, cfg.solutions),
             )
         )
     return rows

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tools.formats import FencedFormat
+
 Numbers = dict[str, int]
 
 
@@ -116,6 +118,38 @@ class WordProblemTemplate:
             lines.append(f"{a} {_SYMBOLS[op]} {b} = {values[name]}.")
         answer = values[self.steps[-1].partition(" = ")[0]]
         return " ".join(lines) + f" \\boxed{{{answer}}}", answer
+
+    def tool_worked(self, numbers: Numbers) -> tuple[str, int]:
+        """The solution as a tool-use transcript (the fenced format, tools/formats.py): the steps as a Python
+        program over the stated numbers, printing the last one, its output block, then ``\\boxed{answer}``::
+
+            ```python
+            x = 3 * 5
+            y = 4 * 2
+            print(x + y)
+            ```
+            ```output
+            23
+            ```
+            \\boxed{23}
+        """
+        values: dict[str, int] = dict(numbers)
+        computed: set[str] = set()
+        lines = []
+        for i, step in enumerate(self.steps):
+            name, _, expression = step.partition(" = ")
+            left, op, right = expression.split()
+            a, b = values[left], values[right]
+            if op == "/" and (b == 0 or a % b):
+                raise ValueError(f"word problem template {self.name!r}: step {step!r} divides {a} by {b} inexactly")
+            values[name] = {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b else 0}[op]
+            code = f"{left if left in computed else a} {'//' if op == '/' else op} {right if right in computed else b}"
+            lines.append(f"print({code})" if i == len(self.steps) - 1 else f"{name} = {code}")
+            computed.add(name)
+        answer = values[self.steps[-1].partition(" = ")[0]]
+        program = "\n".join(lines)
+        fenced = FencedFormat()
+        return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}", answer
 
     def render(self, rng: random.Random, numbers: Numbers) -> tuple[list[str], str, dict[str, Any]]:
         """(rng, stated numbers) -> (story sentences, question, words for the distractors' blanks).

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.data.rows import WORD_PROBLEM_INSTRUCTION, PromptRow
+from app.data.rows import WORD_PROBLEM_INSTRUCTION, WORD_PROBLEM_TOOL_INSTRUCTION, PromptRow
 from app.data.tasks.arithmetic import split_of
 from app.data.tasks.pools import draw_problems
 from app.data.tasks.word_problem_templates import WORD_PROBLEM_TEMPLATES, Numbers, WordProblemTemplate
@@ -42,6 +42,10 @@ class WordProblemsConfig:
     seed: int = 0
     """Seed of the generator (which problems, their wording and distractors); the train/test assignment is a hash
     of each problem's template and numbers, so the splits never share a problem whatever the seed."""
+    solutions: Literal["text", "tool"] = "text"
+    """The reply each row teaches (`completion`) and the instruction it is asked with: text, the steps worked by
+    hand ("3 × 5 = 15. ... \\boxed{23}"); tool, a Python program that prints the answer, its output block and the
+    boxed answer (the fenced format of the python tool, docs/tools.md), under an instruction to use it."""
 
     def __post_init__(self) -> None:
         known = list(WORD_PROBLEM_TEMPLATES)
@@ -62,6 +66,8 @@ class WordProblemsConfig:
                 f"data.word_problems.max_ops={self.max_ops} is below data.word_problems.min_ops={self.min_ops}; "
                 f"set max_ops >= min_ops"
             )
+        if self.solutions not in ("text", "tool"):
+            raise ValueError(f"data.word_problems.solutions={self.solutions!r}: choose text or tool")
         if self.min_distractors < 0:
             raise ValueError(f"data.word_problems.min_distractors={self.min_distractors} must be >= 0")
         if not self.min_distractors <= self.max_distractors <= _MAX_DISTRACTORS:
@@ -144,11 +150,12 @@ def _word_problem_row(
     count = rng.randint(cfg.min_distractors, cfg.max_distractors)
     for sentence in rng.sample(spec.distractors, count):  # after the first sentence, before the question
         story.insert(rng.randint(1, len(story)), sentence.format(n=rng.randint(2, 40), **words))
-    completion, answer = spec.worked(numbers)
+    completion, answer = spec.tool_worked(numbers) if cfg.solutions == "tool" else spec.worked(numbers)
+    instruction = WORD_PROBLEM_TOOL_INSTRUCTION if cfg.solutions == "tool" else WORD_PROBLEM_INSTRUCTION
     return PromptRow(
         prompt=None,
         messages=[
-            {"role": "system", "content": WORD_PROBLEM_INSTRUCTION},
+            {"role": "system", "content": instruction},
             {"role": "user", "content": " ".join([*story, question])},
         ],
         answer=str(answer),
