@@ -191,7 +191,7 @@ def _no_choice(value: Any) -> bool:
 
 
 _PENALTY = "penalties are not supported"
-_TOOLS = "function calling is not supported"
+_TOOLS = "the legacy functions API is not supported; use tools (chat completions)"
 _CONSTRAINED = "constrained decoding is not supported"
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "top_k": (_neutral(-1, 0, TOP_K_ALL), f"top-k sampling is not supported; use -1 or {TOP_K_ALL} (all tokens)"),
@@ -206,9 +206,7 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "ignore_eos": (_false, "the EOS token always ends a sequence; use false"),
     "echo": (_false, "echoing the prompt is not supported; use false"),
     **{key: (empty, _CONSTRAINED) for key in ("json_schema", "regex", "ebnf", "structural_tag", "choice")},
-    "tools": (empty, _TOOLS),
     "functions": (empty, _TOOLS),
-    "tool_choice": (_no_choice, _TOOLS),
     "function_call": (_no_choice, _TOOLS),
     "logit_bias": (empty, "logit biases are not supported"),
     "suffix": (lambda v: v is None or v == "", "insertion (a suffix) is not supported"),

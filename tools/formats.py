@@ -126,6 +126,32 @@ class FencedFormat:
 _HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
 
+def parse_hermes_payload(raw: str) -> ToolCall | MalformedCall:
+    """The JSON between ``<tool_call>`` and ``</tool_call>``: a `ToolCall`, or a `MalformedCall` saying what is wrong."""
+    try:
+        payload = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return MalformedCall(f"the tool call is not valid JSON ({exc.msg} at position {exc.pos})", raw)
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        return MalformedCall('a tool call must be a JSON object {"name": ..., "arguments": {...}}', raw)
+    arguments = payload.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            return MalformedCall("the tool call's arguments are not a JSON object", raw)
+    if not isinstance(arguments, dict):
+        return MalformedCall("the tool call's arguments are not a JSON object", raw)
+    return ToolCall(payload["name"], arguments, f"<tool_call>{raw}</tool_call>")
+
+
+def hermes_calls(text: str, limit: int = 64) -> tuple[str, list[ToolCall | MalformedCall]]:
+    """Every ``<tool_call>{json}</tool_call>`` of a reply (at most ``limit``), parsed, and the reply's text with them
+    taken out (what `trustbatch serve` returns as OpenAI ``tool_calls`` and ``content``)."""
+    calls = [parse_hermes_payload(raw) for raw in _HERMES.findall(text)[:limit]]
+    return _HERMES.sub("", text).strip(), calls
+
+
 @dataclass(frozen=True)
 class HermesFormat:
     """``<tool_call>{json}</tool_call>`` in, a ``tool`` message of the chat template back (module docstring).
@@ -165,22 +191,7 @@ class HermesFormat:
         calls = _HERMES.findall(turn)
         if not calls:
             return None
-        raw = calls[-1]
-        try:
-            payload = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            return MalformedCall(f"the tool call is not valid JSON ({exc.msg} at position {exc.pos})", raw)
-        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
-            return MalformedCall('a tool call must be a JSON object {"name": ..., "arguments": {...}}', raw)
-        arguments = payload.get("arguments", {})
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                return MalformedCall("the tool call's arguments are not a JSON object", raw)
-        if not isinstance(arguments, dict):
-            return MalformedCall("the tool call's arguments are not a JSON object", raw)
-        return ToolCall(payload["name"], arguments, f"<tool_call>{raw}</tool_call>")
+        return parse_hermes_payload(calls[-1])
 
     def split_transcript(self, text: str) -> list[tuple[str, bool]]:
         """Tool messages (``before`` + content + ``after``) are the tools'; the rest is the model's."""

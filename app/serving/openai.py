@@ -59,6 +59,8 @@ from app.serving.openai_requests import (
     parse_completion,
 )
 from app.serving.requests import DEFAULT_MAX_BODY_BYTES, ServedModel, read_json
+from tools.formats import hermes_calls
+from tools.types import ToolCall
 
 # ---------------------------------------------------------------------------------------------- text
 
@@ -258,15 +260,38 @@ def _response(
         logprobs = None
         if parsed.logprobs and completion is not None:
             logprobs = _logprobs(tokenizer, parsed.chat, completion.output_ids, completion.output_logprobs)
-        content = {"message": {"role": "assistant", "content": text}} if parsed.chat else {"text": text}
-        choices.append(
-            {"index": index, **content, "logprobs": logprobs, "finish_reason": _finish(completion, tracker)}
-        )
+        finish = _finish(completion, tracker)
+        if not parsed.chat:
+            content = {"text": text}
+        elif parsed.tools:
+            message, called = _tool_message(tokenizer, completion, text)
+            content, finish = {"message": message}, "tool_calls" if called else finish
+        else:
+            content = {"message": {"role": "assistant", "content": text}}
+        choices.append({"index": index, **content, "logprobs": logprobs, "finish_reason": finish})
     return {
         **_head(served, parsed.chat),
         "choices": choices,
         "usage": _usage(parsed, _completion_tokens(completions)),
     }
+
+
+def _tool_message(tokenizer, completion: Completion | None, text: str) -> tuple[dict, bool]:
+    """The assistant message of a reply to a request with tools: its Hermes-style ``<tool_call>`` blocks as OpenAI
+    ``tool_calls`` (read from the text with special tokens kept, where some templates' call markers live), the
+    rest as ``content``; a block whose JSON does not parse stays in the content. Nothing is executed here."""
+    raw = tokenizer.decode(completion.output_ids, skip_special_tokens=False) if completion is not None else text
+    rest, calls = hermes_calls(raw)
+    good = [call for call in calls if isinstance(call, ToolCall)]
+    if not good:
+        return {"role": "assistant", "content": text}, False
+    content = tokenizer.decode(tokenizer.encode(rest, add_special_tokens=False), skip_special_tokens=True).strip()
+    tool_calls = [
+        {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+         "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+        for call in good
+    ]  # fmt: skip
+    return {"role": "assistant", "content": content or None, "tool_calls": tool_calls}, True
 
 
 def _sse(data: dict | str) -> str:

@@ -26,12 +26,21 @@ is what the checks read beside the ``ServedModel``; ``parse_completion`` and ``p
 and the model and build the prompts' token ids, then share ``_parsed`` (the stream flags; ``_sampling``: the
 ``SamplingParams`` and the context checks; the stop strings).
 
-Not covered: tools / function calling, ``echo``, ``suffix``, ``best_of > n``, penalties, ``logit_bias``,
+Tools (chat only): ``tools`` (function schemas, at most MAX_TOOLS, shown to the model by its own chat template,
+which must render them) with ``tool_choice`` ``auto`` or ``none``; ``tool`` messages and assistant messages with
+``tool_calls`` are rendered for the template. The model's Hermes-style ``<tool_call>{json}</tool_call>`` blocks come
+back as OpenAI ``tool_calls`` (app/serving/openai.py); the client runs the tools: serve never executes model
+code. Not with ``stream``, and not ``tool_choice`` ``required`` or a named function (that needs constrained
+decoding).
+
+Not covered: the legacy ``functions``, ``echo``, ``suffix``, ``best_of > n``, penalties, ``logit_bias``,
 top-k logprobs, images, embeddings, the Responses API.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +67,11 @@ CHAT_FIELDS = (
     *_COMMON, "messages", "max_completion_tokens", "top_logprobs", "response_format", "tools", "tool_choice",
     "parallel_tool_calls", "chat_template_kwargs", "function_call", "functions",
 )  # fmt: skip
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_TOOLS = 64
+MAX_TOOLS_JSON = 1 << 16
+"""Most function schemas, and most bytes of them as JSON, one request may show the model."""
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def error_body(exc: RequestError) -> dict:
@@ -121,6 +134,8 @@ class _Parsed:
     include_usage: bool
     logprobs: bool
     chat: bool
+    tools: bool = False
+    """The model was shown tools: its tool-call blocks come back as ``tool_calls``."""
 
 
 def _check_fields(body: Any, allowed: tuple[str, ...], route: str) -> dict:
@@ -319,6 +334,7 @@ def parse_chat(body: Any, model: ServedModel, served: OpenAIState) -> _Parsed:
             f'messages must be a non-empty array of {{"role", "content"}} objects, got {describe(messages)}',
             "messages",
         )
+    tools = _tools(body)
     rendered = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
@@ -326,15 +342,18 @@ def parse_chat(body: Any, model: ServedModel, served: OpenAIState) -> _Parsed:
             raise _bad_type(where, message, 'an object {"role": ..., "content": ...}')
         role = message.get("role")
         if role not in _ROLES:
-            tool = " (tool messages need function calling, which is not supported)" if role == "tool" else ""
             raise RequestError(
-                f"{where}.role must be one of {sorted(_ROLES)}, got {describe(role)}{tool}", f"{where}.role"
+                f"{where}.role must be one of {sorted(_ROLES)}, got {describe(role)}", f"{where}.role"
             )
+        content = message.get("content")
+        if role == "assistant" and message.get("tool_calls"):
+            calls = _assistant_calls(message["tool_calls"], where)
+            text = _message_text(content, where) if content not in (None, "") else ""
+            rendered.append({"role": "assistant", "content": text, "tool_calls": calls})
+            continue
         if message.get("tool_calls"):
-            raise RequestError(
-                f"{where}.tool_calls: function calling is not supported", f"{where}.tool_calls"
-            )
-        rendered.append({"role": _ROLES[role], "content": _message_text(message.get("content"), where)})
+            raise RequestError(f"{where}.tool_calls: only an assistant message has tool calls", f"{where}.tool_calls")
+        rendered.append({"role": _ROLES[role], "content": _message_text(content, where)})
     for i, message in enumerate(rendered):
         try:
             sampling.unicode_text(message["content"], f"messages[{i}].content")
@@ -362,12 +381,75 @@ def parse_chat(body: Any, model: ServedModel, served: OpenAIState) -> _Parsed:
             "use /v1/completions with a prompt",
             "messages",
         )
+    if tools:
+        kwargs = {**kwargs, "tools": tools}
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=True, tokenize=False, **kwargs)
     except Exception as exc:  # noqa: BLE001 - jinja raises its own types for a template's checks
         raise RequestError(f"the chat template refused these messages: {exc}", "messages") from None
+    if tools and not all(tool["function"]["name"] in text for tool in tools):
+        raise RequestError(
+            f"the chat template of {served.name!r} does not show tools to the model (its rendering leaves them "
+            "out), so it cannot call them; send the request without tools",
+            "tools",
+        )
     ids = model.check_ids(model.encode(text, "the chat", "messages"), "the chat", "prompt")
     logprobs = body.get("logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise _bad_type("logprobs", logprobs, "a boolean")
-    return _parsed(body, model, served, [ids], bool(logprobs), chat=True)
+    parsed = _parsed(body, model, served, [ids], bool(logprobs), chat=True)
+    if tools and parsed.stream:
+        raise RequestError("stream=true with tools is not supported; set stream=false to get tool_calls", "stream")
+    parsed.tools = bool(tools)
+    return parsed
+
+
+def _tools(body: dict) -> list[dict]:
+    """The function schemas to show the model (empty: none), checked; ``tool_choice`` auto or none."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(
+            f"tool_choice={describe(choice)}: only auto and none are supported (forcing a call needs constrained "
+            "decoding)",
+            "tool_choice",
+        )
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad_type("parallel_tool_calls", parallel, "a boolean")
+    if tools is None or choice == "none":
+        return []
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise _bad_type("tools", tools, f"an array of 1 to {MAX_TOOLS} function schemas")
+    if len(json.dumps(tools)) > MAX_TOOLS_JSON:
+        raise RequestError(f"tools is over {MAX_TOOLS_JSON} bytes of JSON; send fewer or shorter schemas", "tools")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(function, dict):
+            raise _bad_type(where, tool, '{"type": "function", "function": {"name": ..., "parameters": {...}}}')
+        if not isinstance(function.get("name"), str) or not _NAME.match(function["name"]):
+            raise _bad_type(f"{where}.function.name", function.get("name"), "a name of 1-64 letters, digits, _ . -")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise _bad_type(f"{where}.function.parameters", function.get("parameters"), "a JSON schema object")
+        if not isinstance(function.get("description", ""), str):
+            raise _bad_type(f"{where}.function.description", function.get("description"), "a string")
+    return tools
+
+
+def _assistant_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` as chat templates take them (arguments as an object)."""
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise _bad_type(f"{where}.tool_calls", calls, f"an array of at most {MAX_TOOLS} calls")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad_type(f"{where}.tool_calls[{j}]", call, '{"type": "function", "function": {"name", "arguments"}}')
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise RequestError(f"{where}.tool_calls[{j}].function.arguments is not JSON", f"{where}.tool_calls") from None
+        out.append({"type": "function", "id": call.get("id"), "function": {"name": function["name"], "arguments": arguments}})
+    return out

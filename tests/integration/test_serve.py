@@ -483,7 +483,7 @@ LONG = "1+" * 200 + "1="
         ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
                                   "max_tokens": 4, "max_completion_tokens": 5}, 400, "max_completion_tokens"),
         ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                  "tools": [{"type": "function"}]}, 400, "tools"),
+                                  "tools": [{"type": "function"}]}, 400, "tools[0]"),
         ("/v1/chat/completions", {"model": "other", "messages": [{"role": "user", "content": "hi"}]}, 404, "model"),
         ("/v1/chat/completions", {"model": NAME, "messages": [{"role": "user", "content": "a\udc00"}]}, 400,
          "messages"),
