@@ -36,3 +36,19 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [*TINY_DATA, "model.sft.steps=150", "model.sft.lr=3e-3"])
     out = tmp_path_factory.mktemp("models") / "tiny"
     return bootstrap(cfg.model, cfg.data, out, show_progress=False)
+
+
+# The arithmetic task with tool transcripts: a ```python block printing the expression, its output, the answer.
+TOOL_DATA = ["data.arithmetic.max_ops=1", "data.arithmetic.solutions=tool", "data.num_train=200", "data.num_eval=24",
+             "eval.num_prompts=24"]  # fmt: skip
+TOOL_SHAPE = dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+"""Small, and a shape real SGLang's CPU attention serves (head_dim 16), so its tests share the model."""
+
+
+@pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen2 warm-started on the arithmetic task's tool transcripts (the tools' outputs masked): it writes
+    ```python blocks and reads the output blocks an episode appends."""
+    shape = [f"model.tiny.{k}={v}" for k, v in TOOL_SHAPE.items()]
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [*TOOL_DATA, *shape, "model.sft.steps=250", "model.sft.lr=1e-2"])
+    return bootstrap(cfg.model, cfg.data, tmp_path_factory.mktemp("models") / "tool", show_progress=False)

@@ -41,7 +41,7 @@ CALC = {"type": "function", "function": {"name": "calc", "description": "Add two
 
 
 def call_text(a: int, b: int) -> str:
-    return '<tool_call>{"name": "calc", "arguments": {"expression": "%d+%d"}}</tool_call>' % (a, b)
+    return '<tool_call>{"name": "calc", "arguments": {"expression": "' + f"{a}+{b}" + '"}}</tool_call>'
 
 
 @pytest.fixture(scope="module")

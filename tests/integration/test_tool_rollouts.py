@@ -25,7 +25,6 @@ from app.rollout.base import SamplingParams
 from app.rollout.embedded import EmbeddedEngine
 from app.rollout.trajectory import completion_text, trajectory_metrics
 from app.tooling import load_toolkit, open_tool_rollouts
-from app.training.bootstrap import bootstrap
 from app.training.loop import run
 from app.training.sft_loop import FitSettings, fit
 from tools import ToolResult
@@ -33,23 +32,17 @@ from tools.formats import FencedFormat, observation
 from trainer.logprobs import token_logprobs
 from trainer.model import build_tiny_model, build_tiny_tokenizer, save_model
 
-from .conftest import REPO, TINY
+from .conftest import REPO, TINY, TOOL_DATA
 
 pytestmark = pytest.mark.slow
 
-TOOL_DATA = ["data.arithmetic.max_ops=1", "data.arithmetic.solutions=tool", "data.num_train=200", "data.num_eval=24",
-             "eval.num_prompts=24"]  # fmt: skip
 TOOLS = ["tools=[{name: python, tasks: [math], params: {backend: bwrap}}]", "sandbox.backend=bwrap"]
 PLUGINS = "tests.fixtures.plugins.my_tools"
 
 
 @pytest.fixture(scope="module")
-def tool_model(tmp_path_factory) -> Path:
-    """The tiny model warm-started on the arithmetic task's tool transcripts (outputs masked)."""
-    small = [f"model.tiny.{k}={getattr(TINY, k)}" for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                                                            "num_kv_heads")]  # fmt: skip
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [*TOOL_DATA, *small, "model.sft.steps=250", "model.sft.lr=1e-2"])
-    return bootstrap(cfg.model, cfg.data, tmp_path_factory.mktemp("models") / "tool", show_progress=False)
+def tool_model(tool_model_dir) -> Path:
+    return tool_model_dir
 
 
 @pytest.fixture(scope="module")
