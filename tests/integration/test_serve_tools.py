@@ -132,3 +132,44 @@ def test_a_template_that_does_not_show_tools_refuses_them(tiny_model_dir):
                 plain.chat.completions.create(model="plain", messages=[{"role": "user", "content": "hi"}], tools=[CALC])
     finally:
         server.close()
+
+
+def test_a_hermes_episode_runs_the_call_and_the_model_answers_after_the_tool_message(tools_model):
+    """rollout.tool_format=hermes in the episode driver: the model's <tool_call> pauses generation, the calculator
+    plug-in runs, its result goes back as the template's tool message, and the model answers in a new turn."""
+    import asyncio
+
+    from app.config import load_config
+    from app.rollout.base import SamplingParams
+    from app.rollout.embedded import EmbeddedEngine
+    from app.rollout.trajectory import completion_text
+    from app.tooling import load_toolkit, open_tool_rollouts
+
+    from .conftest import REPO
+
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        "rollout.tool_format=hermes", "rollout.max_turns=3", "rollout.max_new_tokens=80", "rollout.max_total_tokens=200",
+        "tools=[{name: 'tests.fixtures.plugins.my_tools:make_calculator', tasks: [math], label: calc}]",
+    ])  # fmt: skip
+    text = ModelText.from_dir(tools_model)
+    kit = load_toolkit(cfg.tools)
+    schemas = kit.chat_tools("hermes")["math"]
+    assert schemas[0]["function"]["name"] == "calc"
+    prompt = text.tokenizer.apply_chat_template([{"role": "user", "content": "add 2 and 5"}], tools=schemas,
+                                                add_generation_prompt=True, tokenize=False)  # fmt: skip
+    ids = text.tokenizer.encode(prompt, add_special_tokens=False)
+    engine = EmbeddedEngine.from_pretrained(tools_model)
+    params = SamplingParams(max_new_tokens=80, temperature=0.0, n=1, stop_token_ids=text.stop_token_ids)
+
+    async def go():
+        with open_tool_rollouts(kit, cfg.rollout, cfg.sandbox, engine.generate, text.tokenizer, context=text.context,
+                                where=str(tools_model)) as tools:  # fmt: skip
+            return await tools.generate([ids], params, ["math"])
+
+    [completion] = asyncio.run(go())
+    [call] = completion.meta["tool_calls"]
+    assert call["tool"] == "calc" and call["status"] == "ok"
+    assert completion.meta["status"] == "answered" and max(completion.output_turns) == 1
+    transcript = text.tokenizer.decode(completion.output_ids, skip_special_tokens=False)
+    assert "<tool_response>" in transcript and "</tool_response>" in transcript  # the template's tool message
+    assert completion_text(completion, text.decode).endswith(".")  # the model's answer after the tool's
