@@ -12,7 +12,8 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
     import matplotlib.pyplot as plt
 
     steps = [h["step"] for h in history]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    tools = bool(history) and "tools/calls_per_trajectory" in history[0]
+    fig, axes = plt.subplots(1, 5 if tools else 3, figsize=(25 if tools else 15, 4))
     rewards = [h["reward/mean"] for h in history]
     axes[0].plot(steps, rewards, lw=0.6, alpha=0.4, label="train reward (step mean)")
     window = max(1, len(rewards) // 30)
@@ -55,7 +56,29 @@ def plot_run(history: list[dict[str, float]], evals: list[dict[str, float]], pat
     axes[2].set_xlabel("step")
     axes[2].legend()
 
+    if tools:
+        _plot_tools(axes[3], axes[4], history, steps)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100, bbox_inches="tight")  # keeps the legend below the axes
     plt.close(fig)
+
+
+def _plot_tools(calls_ax, turns_ax, history: list[dict[str, float]], steps: list[float]) -> None:
+    """Tool runs (docs/tools.md): calls, errors and statuses per step; each turn's engine-trainer logprob gap."""
+    calls_ax.plot(steps, [h["tools/calls_per_trajectory"] for h in history], lw=1, label="tool calls / answer")
+    calls_ax.plot(steps, [h["rollout/turns/mean"] for h in history], lw=1, label="turns / answer")
+    for key, style in (("tools/error_rate", "--"), ("rollout/void_turn_rate", ":"), ("rollout/status/budget", "-."),
+                       ("rollout/status/max_turns", (0, (1, 1)))):  # fmt: skip
+        calls_ax.plot(steps, [h.get(key, 0.0) for h in history], lw=1, ls=style, label=key.rpartition("/")[2] + " (share)")
+    calls_ax.set_title("tools")
+    calls_ax.set_xlabel("step")
+    calls_ax.legend(fontsize=7)
+    for k in range(4):
+        key = f"loss/logprob_gap_turn/{k}"
+        points = [(s, h[key]) for s, h in zip(steps, history, strict=True) if key in h]
+        if points:
+            turns_ax.plot(*zip(*points, strict=True), lw=1, label=f"turn {k}{'+' if k == 3 else ''}")
+    turns_ax.set_title("engine-trainer |logprob gap| per turn (nats/token)")
+    turns_ax.set_xlabel("step")
+    turns_ax.legend(fontsize=7)

@@ -339,6 +339,7 @@ def finish(
         "mlflow_run_id": tracker.run_id,
         "tracking_uri": tracker.tracking_uri,
         "resumed_from_step": resumed_from or None,
+        **tool_summary(rows),
     }
     if dist.is_main:
         plot_path = cfg.run.path / "training.png"
@@ -357,6 +358,30 @@ def finish(
         tracker.log_artifact(cfg.run.path / "summary.json")
     tracker.finish()
     return summary
+
+
+TOOL_KEYS = ("tools/calls_per_trajectory", "tools/error_rate", "tools/timeout_rate", "tools/wait_frac",
+             "rollout/turns/mean", "rollout/void_turn_rate")  # fmt: skip
+
+
+def tool_summary(rows: list[dict]) -> dict:
+    """The tool-using answers of a run, averaged over its steps: calls, errors, turns, statuses, and each turn's
+    ESS and engine-trainer gap (docs/tools.md); empty without tools."""
+    tooled = [r for r in rows if "tools/calls_per_trajectory" in r]
+    if not tooled:
+        return {}
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in tooled if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    out = {"tools": {key: mean(key) for key in TOOL_KEYS}}
+    out["tools"]["statuses"] = {key.rpartition("/")[2]: mean(key) for key in tooled[0] if key.startswith("rollout/status/")}
+    turns = sorted({int(k.rpartition("/")[2]) for r in tooled for k in r if k.startswith("loss/ess_turn/")})
+    out["tools"]["per_turn"] = {
+        str(k): {"ess": mean(f"loss/ess_turn/{k}"), "logprob_gap": mean(f"loss/logprob_gap_turn/{k}")} for k in turns
+    }
+    return out
 
 
 def rate(per_s: float) -> str:
@@ -419,5 +444,21 @@ def summary_lines(summary: dict) -> list[str]:
             if summary.get("skipped_prompts")
             else []
         ),
+        *_tool_lines(summary.get("tools")),
         f"MLflow run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
+    ]
+
+
+def _tool_lines(tools: dict | None) -> list[str]:
+    if not tools:
+        return []
+    statuses = ", ".join(f"{name} {100 * share:.1f}%" for name, share in tools["statuses"].items() if share > 0)
+    turns = "; ".join(f"turn {k}: ESS {v['ess']:.4f}, gap {v['logprob_gap']:.4f}" for k, v in tools["per_turn"].items())
+    return [
+        f"tools: {tools['tools/calls_per_trajectory']:.2f} calls and {tools['rollout/turns/mean']:.2f} turns per "
+        f"answer, {100 * tools['tools/error_rate']:.1f}% of calls failed, {100 * tools['tools/timeout_rate']:.1f}% "
+        f"timed out, {100 * tools['tools/wait_frac']:.0f}% of answer time waiting on tools, void turns "
+        f"{100 * tools['rollout/void_turn_rate']:.1f}%",
+        f"answers ended: {statuses}",
+        f"per turn (engine-trainer logprob gap, nats/token): {turns}",
     ]

@@ -26,6 +26,7 @@ from app.rollout.embedded import EmbeddedEngine
 from app.rollout.trajectory import completion_text, trajectory_metrics
 from app.tooling import load_toolkit, open_tool_rollouts
 from app.training.loop import run
+from app.training.records import summary_lines
 from app.training.sft_loop import FitSettings, fit
 from tools import ToolResult
 from tools.formats import FencedFormat, observation
@@ -109,6 +110,13 @@ def test_training_with_the_python_tool_logs_statuses_tool_metrics_and_per_turn_g
     with_call = [s for s in sampled if s["tool_calls"]]
     assert with_call and all("```output\n" in s["transcript"] and "```output" not in s["text"] for s in with_call)
     assert summary["final_accuracy"] > 0.3
+    # The summary and what `trustbatch train` prints say what the tools did, turn by turn.
+    tools = summary["tools"]
+    assert tools["tools/calls_per_trajectory"] > 0.5 and set(tools["per_turn"]) >= {"0", "1"}
+    assert sum(tools["statuses"].values()) == pytest.approx(1)
+    lines = summary_lines(summary)
+    assert any(line.startswith("tools: ") for line in lines) and any(line.startswith("per turn ") for line in lines)
+    assert (tmp_path / "run" / "training.png").stat().st_size > 1000
 
 
 def test_the_trainer_scores_every_model_token_as_the_engine_sampled_it_and_never_a_tools(tool_model):
