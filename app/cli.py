@@ -148,7 +148,7 @@ def filter_prompts(
     from app.evaluation.filter import filter_prompts as run_filter
     uri = cfg.tracking_uri
     try:
-        result = run_filter(model or cfg.model.path, cfg, tracking_uri=uri, out=out, n=n, low=low, high=high,
+        result = run_filter(model or cfg.model.path, cfg.eval_job, tracking_uri=uri, out=out, n=n, low=low, high=high,
                             num=num, engine=engine)  # fmt: skip
     except (DatasetError, ConfigError, ModelRefError, ValueError) as exc:
         _fail(str(exc))
@@ -490,7 +490,7 @@ def eval_model(
     try:
         result = run_evaluation(
             ref,
-            cfg,
+            cfg.eval_job,
             tracking_uri=uri,
             engine=engine,
             fit_new_tokens=max_new_tokens is None and config is None,

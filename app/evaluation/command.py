@@ -9,7 +9,8 @@ an error, or dropped and counted with ``data.on_long_prompt=drop``) -> open the 
 by ``rollout.sglang.urls``) -> `sample_and_score` -> pass@k. Generation stops at EOS and at the chat template's
 end-of-turn token, as in training.
 
-The settings are a `Config` (app/cli.py builds it from the command's options over ``--config``): ``eval`` (k,
+The settings are an `EvalJob`, the sections of a run config an evaluation reads (app/cli.py builds the config from the
+command's options over ``--config``, and passes `Config.eval_job`): ``eval`` (k,
 samples per prompt, prompts, sampling), ``data`` (the prompts, their built-in task settings, on_long_prompt),
 ``rewards`` and ``sandbox`` (scoring), ``rollout`` (the sampling values ``eval`` leaves empty, the engine's
 batch size, the SGLang servers) and ``tracking``. The prompts go to the engine in calls of
@@ -27,10 +28,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from app.config import Config, ConfigError
 from app.data import load_split
 from app.data.prepare import ModelText, prepare_prompts
 from app.engines import EngineOptions, open_engine
+from app.errors import ConfigError
+from app.evaluation.config import EvalJob
 from app.evaluation.report import log_to_mlflow, write_json
 from app.evaluation.run import EvalResult, sample_and_score
 from app.models import fetch, lookup
@@ -49,7 +51,7 @@ of the model's context."""
 
 def evaluate_model(
     ref: str,
-    cfg: Config,
+    cfg: EvalJob,
     *,
     tracking_uri: str,
     engine: str = "embedded",
@@ -68,7 +70,7 @@ def evaluate_model(
         temperature=cfg.rollout.temperature,
         top_p=cfg.rollout.top_p,
         max_new_tokens=cfg.rollout.max_new_tokens,
-        seed=cfg.run.seed + 17,
+        seed=cfg.seed + 17,
     )
     fit = fit_new_tokens and cfg.eval.max_new_tokens is None
     source = lookup(ref, tracking_uri=tracking_uri)  # fail on a bad reference before loading any data
@@ -178,7 +180,7 @@ def evaluate_model(
 
 def run_evaluation(
     ref: str,
-    cfg: Config,
+    cfg: EvalJob,
     *,
     tracking_uri: str,
     engine: str = "embedded",
@@ -192,7 +194,7 @@ def run_evaluation(
         ref, cfg, tracking_uri=tracking_uri, engine=engine, fit_new_tokens=fit_new_tokens, label=label
     )
     if track:
-        result.mlflow_run_id = log_to_mlflow(result, experiment=cfg.tracking.experiment)
+        result.mlflow_run_id = log_to_mlflow(result, experiment=cfg.experiment)
     if out is not None:
         write_json(result, out)
     return result

@@ -9,9 +9,14 @@ sections of ``--config`` when one is given (app/cli.py). Sampling values left em
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from app import sampling
+from app.data import DataConfig
+from app.rollout.config import RolloutConfig
+from rewards import RewardsConfig
+from sandbox import SandboxConfig
+from tools import ToolSpec
 
 
 @dataclass
@@ -73,3 +78,20 @@ class EvalConfig:
             max_new_tokens=max_new_tokens if self.max_new_tokens is None else self.max_new_tokens,
             seed=seed if self.seed is None else self.seed,
         )
+
+
+@dataclass(frozen=True)
+class EvalJob:
+    """The sections of a run's config an evaluation reads, passed in (`Config.eval_job`): evaluation sits under
+    app/config.py and never imports the root config."""
+
+    data: DataConfig
+    eval: EvalConfig
+    rollout: RolloutConfig
+    rewards: RewardsConfig
+    sandbox: SandboxConfig
+    tools: list[ToolSpec] = field(default_factory=list)
+    seed: int = 0
+    """run.seed: the evaluation's default sampling seed is seed + 17 (training's held-out evaluations' too)."""
+    experiment: str = "trustbatch"
+    """tracking.experiment: the MLflow experiment `trustbatch eval` logs into."""

@@ -15,9 +15,9 @@ from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.config import Config
 from app.data import PromptRow
 from app.evaluation.command import evaluate_model
+from app.evaluation.config import EvalJob
 
 
 @dataclass
@@ -41,7 +41,7 @@ def row_json(row: PromptRow, **metadata) -> dict:
 
 
 def filter_prompts(
-    ref: str, cfg: Config, *, tracking_uri: str, out: Path, n: int, low: float, high: float, num: int | None,
+    ref: str, cfg: EvalJob, *, tracking_uri: str, out: Path, n: int, low: float, high: float, num: int | None,
     engine: str,
 ) -> Filtered:  # fmt: skip
     """Sample ``n`` completions of the first ``num`` prompts of data.train (all: None) with model ``ref`` at the

@@ -190,7 +190,7 @@ def verify(cfg: Config, model_path: Path, tracker: Tracker, step: int, version: 
     if cfg.eval.greedy:
         runs["greedy"] = replace(cfg, eval=replace(cfg.eval, temperature=0.0, samples_per_prompt=1, k=1))
     for name, run_cfg in runs.items():
-        result: EvalResult = evaluate_model(str(model_path), run_cfg, tracking_uri=cfg.tracking_uri,
+        result: EvalResult = evaluate_model(str(model_path), run_cfg.eval_job, tracking_uri=cfg.tracking_uri,
                                             engine=cfg.rollout.engine, label=f"sft eval ({name})")  # fmt: skip
         out[f"{name}_accuracy"] = result.accuracy
         out[f"{name}_accuracy_se"] = result.stderr

@@ -31,7 +31,8 @@ NO_STORE = "sqlite:////nonexistent/mlflow.db"  # a directory reference needs no 
 
 
 def evaluate(model_dir, *overrides: str, engine: str = "embedded"):
-    return evaluate_model(str(model_dir), load_config(None, [*SETTINGS, *overrides]), tracking_uri=NO_STORE, engine=engine)
+    return evaluate_model(str(model_dir), load_config(None, [*SETTINGS, *overrides]).eval_job, tracking_uri=NO_STORE,
+                          engine=engine)
 
 
 def texts(result) -> list[list[str]]:

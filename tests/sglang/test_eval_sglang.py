@@ -43,7 +43,7 @@ def test_eval_command_through_launched_sglang_matches_the_embedded_engine(tmp_pa
     greedy = settings(
         "eval.k=1", "eval.samples_per_prompt=1", "eval.num_prompts=8", "eval.temperature=0", "eval.max_new_tokens=8"
     )
-    embedded = evaluate_model(str(tiny_model_dir), greedy, tracking_uri=NO_STORE)
+    embedded = evaluate_model(str(tiny_model_dir), greedy.eval_job, tracking_uri=NO_STORE)
     embedded_texts = [[s.text for s in group] for group in embedded.by_prompt]
     embedded_verdicts = [[s.correct for s in group] for group in embedded.by_prompt]
     out_file = tmp_path / "sglang.json"
@@ -70,7 +70,7 @@ def test_sampled_pass_at_k_through_running_sglang_servers(server, models):
         "eval.max_new_tokens=8", "eval.seed=5",
     )  # fmt: skip
     cfg.rollout.sglang = client_config(server.url)
-    report = evaluate_model(str(models.v0), cfg, tracking_uri=NO_STORE, engine="sglang")
+    report = evaluate_model(str(models.v0), cfg.eval_job, tracking_uri=NO_STORE, engine="sglang")
     groups = report.by_prompt
     assert [len(group) for group in groups] == [4] * 6 and report.engine == "sglang"
     for i, group in enumerate(groups):

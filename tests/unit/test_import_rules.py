@@ -9,7 +9,8 @@ Every `import` and `from ... import` of every module under app/, trainer/, rewar
 - `trainer/objective.py` and `trainer/advantages.py` import only the standard library and torch;
 - `app/rollout` imports `trainer` only through the joint (`app/rollout/joint.py`), and never `app.training`,
   `app.serving` or `app.evaluation` (it talks to servers over HTTP and to the trainer through the joint);
-- `app/serving` never imports `app.training` or `trainer.step`/`trainer.optim` (serving does not train).
+- `app/serving` never imports `app.training` or `trainer.step`/`trainer.optim` (serving does not train);
+- `app/evaluation` never imports `app.config`: it takes the sections it reads (`EvalJob`), so it sits under the config.
 
 - `app/data` imports nothing of app/ but `app.sampling` (it is the bottom of the application);
 - no import circles: the graph of every import between modules (lazy ones included) has no cycle;
@@ -121,6 +122,8 @@ def broken_rules(src: str, dst: str) -> list[str]:
             for o in ("app.training", "trainer.step", "trainer.optim")
             if within(dst, o)
         ]
+    if within(src, "app.evaluation") and within(dst, "app.config"):
+        rules.append("app/evaluation never imports app.config (it takes the sections it reads: EvalJob)")
     if within(src, "app.data") and within(dst, "app") and not (within(dst, "app.data") or dst == "app.sampling"):
         rules.append("app/data imports nothing of app/ but app.sampling")
     return rules
@@ -251,6 +254,7 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
         "app/config.py": "def f():\n    import app.data\n",
         "app/sampling.py": "",
         "app/evaluation/run.py": "from app.rollout.sglang import SGLangClient\nclient = SGLangClient(cfg)\n",
+        "app/evaluation/command.py": "from app.config import Config\n",
         "app/engines.py": "engine = EmbeddedEngine.from_pretrained(path)\n",  # allowed: the opener
         "app/long.py": "x = 1\n" * (MAX_LINES + 1),
         "tools/__init__.py": "from rewards import Score\nfrom sandbox import execute\n",  # the second is allowed
@@ -271,6 +275,7 @@ def test_each_rule_fires_on_a_tree_that_breaks_it(tmp_path):
         "app/serving/openai.py:1: app.serving.openai imports app.training.loop",
         "app/data/__init__.py:1: app.data imports app.config (app/data imports nothing",
         "tools/__init__.py:1: tools imports rewards (tools imports only sandbox",
+        "app/evaluation/command.py:1: app.evaluation.command imports app.config (app/evaluation never imports",
     ]
     for prefix in expected:
         assert any(v.startswith(prefix) for v in found), (prefix, found)
