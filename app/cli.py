@@ -45,6 +45,12 @@ def _load(config: Path | None, overrides: list[str] | None):
         _fail(str(exc))
 
 
+def _stopped(exc, resume: str | None = None) -> None:
+    """A command stopped by Ctrl-C or SIGTERM (app/stopping.py): say so, then exit 128 + the signal."""
+    typer.secho(f"{exc}" + (f"; continue with: {resume}" if resume else ""), fg=typer.colors.YELLOW, err=True)
+    raise typer.Exit(code=exc.exit_code)
+
+
 def _setup_logging() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(
@@ -81,10 +87,14 @@ def train(
     from app.training.loop import run
     from app.training.records import summary_lines
 
+    from app.stopping import Stopped
+
     try:
         summary = run(cfg)
     except (DatasetError, ConfigError) as exc:
         _fail(str(exc))
+    except Stopped as exc:
+        _stopped(exc, f"trustbatch train {config} resume={cfg.run.path}")
     except FleetDownError as exc:  # the message names the server, what was tried and how to resume
         typer.secho(f"error: {exc}", fg=typer.colors.RED, err=True)
         raise typer.Exit(code=1) from None

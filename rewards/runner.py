@@ -256,6 +256,14 @@ class RewardRunner:
             self._stop_worker(worker, kill=False)
         self._workers = []
 
+    def kill(self) -> None:
+        """SIGKILL the worker processes now (the process is about to exit without its clean-up)."""
+        for worker in self._workers:
+            try:
+                worker.process.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+
     def __enter__(self) -> RewardRunner:
         return self
 

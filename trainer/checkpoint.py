@@ -54,6 +54,9 @@ class CheckpointConfig:
     keep_last: int = 2
     """Keep the newest K checkpoints on disk (plus the best evaluated one); older ones are deleted. Versions
     registered in MLflow keep their own copy of the weights."""
+    on_stop: bool = False
+    """On Ctrl-C or SIGTERM, finish the step in progress and checkpoint it before stopping (up to one step).
+    Off: stop within seconds; `resume=` continues from the last complete checkpoint."""
 
     def __post_init__(self) -> None:
         if self.every < 0:

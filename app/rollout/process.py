@@ -270,6 +270,7 @@ class LocalServerProcess(ServerProcess):
             weight_version=weight_version,
             env={"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"},
             name="CPU rollout server",
+            own_group=True,  # a terminal's Ctrl-C reaches the trainer alone; the trainer stops it (app/stopping.py)
         )
 
     def _argv(self, model_dir: Path, weight_version: str) -> list[str]:

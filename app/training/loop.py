@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from dataclasses import replace
 
@@ -37,6 +38,7 @@ from app.config import Config, ConfigError
 from app.rollout.fleet import PublishHooks
 from app.rollout.trajectory import completion_text, trajectory_metrics
 from app.scoring import score_texts
+from app.stopping import DaemonThreads, Stopped, Stopping
 from app.training.batching import build_train_batch
 from app.training.buffer import PolicyClock, StalenessBuffer, Versioned, Watermark, publish_gate, ticket_gate
 from app.training.lag import LagBound
@@ -69,14 +71,23 @@ def run(cfg: Config) -> dict:
             f"resume={cfg.resume}: {resume.checkpoint} is a checkpoint of `trustbatch sft`; resume it with "
             f"`trustbatch sft`, or train from it with model.path={resume.checkpoint / 'model'}"
         )
-    p = setup(cfg, resume)
+    stopping = Stopping("train", waiting="stopping the start-up", on_first=_raise_stopped)
+    with stopping.installed():  # until the loop runs: a signal during start-up stops it at once
+        p = setup(cfg, resume)
     try:
         return asyncio.run(train(p, t_start))
+    except Stopped:
+        p.tracker.finish("KILLED")  # a resumed run sets it RUNNING again
+        raise
     except BaseException:
-        p.tracker.finish("FAILED")  # a resumed run sets it RUNNING again
+        p.tracker.finish("FAILED")
         raise
     finally:
         p.close()
+
+
+def _raise_stopped(signum: int) -> None:
+    raise Stopped(signum)
 
 
 async def train(p: Parts, t_start: float) -> dict:
@@ -94,6 +105,13 @@ async def train(p: Parts, t_start: float) -> dict:
         resumed_at=start, counters=p.resume.state.get("counters"),
     )  # fmt: skip
     loop = asyncio.get_running_loop()
+    threads = DaemonThreads()  # a stopped run never waits for a blocking call to return (app/stopping.py)
+    loop.set_default_executor(threads)
+    state = {"step": start, "checkpoint": p.resume.checkpoint, "finish_step": False}
+    stopping = Stopping("train", waiting=lambda: _waiting_for(cfg, state), on_first=lambda signum: _stop(
+        cfg, state, threads, main), kill=p.kill)  # fmt: skip
+    main = asyncio.current_task()
+    stopping.install_in_loop(loop)
 
     def generate_blocking(prompts, params, progress, tasks):  # for evaluation, which runs in a worker thread
         sampled = p.fleet.generate(prompts, params, progress=progress) if p.tools is None else p.tools.generate(
@@ -131,6 +149,7 @@ async def train(p: Parts, t_start: float) -> dict:
         meter, drift = Utilisation(p.fleet), DriftWatch()
         last = start
         for step in bar:
+            state["step"] = step
             metrics = await train_one_step(p, buffer, step, per_rank)
             # A skipped step's ESS says nothing (a diverged model's NaN ratios even read as ESS 1).
             ess = float("nan") if metrics["train/skipped"] else metrics["loss/ess"]
@@ -146,15 +165,19 @@ async def train(p: Parts, t_start: float) -> dict:
             history.add(step, metrics)
             last = step
             out_of_time = history.out_of_time()
+            stop = state["finish_step"]  # a signal under checkpoint.on_stop: this step is the last, checkpointed
             final = step == cfg.run.steps or out_of_time
-            evaluated = final or bool(cfg.eval.every and step % cfg.eval.every == 0)
+            evaluated = (final or bool(cfg.eval.every and step % cfg.eval.every == 0)) and not stop
             if evaluated:
                 await evaluate(step)
-            if final or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                state = checkpoint_state(
+            if final or stop or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                saved = checkpoint_state(
                     cfg, p.tracker, p.held_out, history, step, evaluated=evaluated, lag_in_force=lag.value
                 )
-                await checkpoint(cfg, p.policy, p.tracker, p.dist, state)
+                await checkpoint(cfg, p.policy, p.tracker, p.dist, saved)
+                state["checkpoint"] = cfg.run.path / "checkpoints" / f"step-{step:06d}"
+            if stop:
+                raise Stopped(stopping.signum or signal.SIGINT, f"stopped after step {step}, checkpointed")
             meter.restart()  # evaluation and checkpointing are not part of the next step's wall time
             bar.set_postfix(
                 reward=f"{metrics['reward/mean']:.3f}",
@@ -167,15 +190,39 @@ async def train(p: Parts, t_start: float) -> dict:
                 log.info("run.time_limit_s=%g reached after step %d", cfg.run.time_limit_s, step)
                 break
         bar.close()
+    except asyncio.CancelledError:
+        if stopping.requested:  # the first signal cancelled the loop: the run stops here (run() marks it KILLED)
+            raise Stopped(stopping.signum, f"stopped during step {state['step']}") from None
+        raise
     finally:
         if producer is not None:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
         await p.fleet.close()  # a push still in flight is cancelled
+        stopping.remove_from_loop(loop)
     return finish(
         cfg, p.held_out, history, last, wall_s=time.perf_counter() - t_start, tracker=p.tracker, fleet=p.fleet,
         dist=p.dist, model_dir=p.policy.model_dir, resumed_from=start,
     )  # fmt: skip
+
+
+def _waiting_for(cfg: Config, state: dict) -> str:
+    resume = state["checkpoint"] or "the start (no checkpoint yet)"
+    if cfg.checkpoint.on_stop:
+        return f"finishing step {state['step']} and checkpointing it (checkpoint.on_stop), then stopping the rollout servers and reward workers"
+    return (f"leaving step {state['step']} unfinished, stopping the rollout servers and reward workers (a few "
+            f"seconds); resume= continues from {resume}")  # fmt: skip
+
+
+def _stop(cfg: Config, state: dict, threads: DaemonThreads, main: asyncio.Task | None) -> None:
+    """The first signal: under checkpoint.on_stop the step in progress finishes and is checkpointed; else the loop
+    is cancelled now, and the blocking call in progress is left to its thread."""
+    if cfg.checkpoint.on_stop:
+        state["finish_step"] = True
+        return
+    threads.abandon()
+    if main is not None:
+        main.cancel()
 
 
 # ---------------------------------------------------------------------------------------------- produce

@@ -94,6 +94,13 @@ class Parts:
     def close(self) -> None:
         self.closing.close()
 
+    def kill(self) -> None:
+        """A second signal: kill the servers this run started (their whole process groups) and the reward workers,
+        nothing waited for; the process exits right after (app/stopping.py)."""
+        for server in self.fleet.servers:
+            server.kill()
+        self.runner.kill()
+
 
 @dataclass
 class PromptSets:
