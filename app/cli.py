@@ -51,6 +51,12 @@ def _stopped(exc, resume: str | None = None) -> None:
     raise typer.Exit(code=exc.exit_code)
 
 
+def _raise_stopped(signum: int) -> None:
+    from app.stopping import Stopped
+
+    raise Stopped(signum)
+
+
 def _setup_logging() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     logging.basicConfig(
@@ -84,10 +90,9 @@ def train(
         _fail(str(exc))
     _setup_logging()
     from app.rollout.fleet import FleetDownError
+    from app.stopping import Stopped
     from app.training.loop import run
     from app.training.records import summary_lines
-
-    from app.stopping import Stopped
 
     try:
         summary = run(cfg)
@@ -123,12 +128,15 @@ def sft(
     except ConfigError as exc:
         _fail(str(exc))
     _setup_logging()
+    from app.stopping import Stopped
     from app.training.sft import run_sft, summary_lines
 
     try:
         summary = run_sft(cfg)
     except (DatasetError, ConfigError) as exc:
         _fail(str(exc))
+    except Stopped as exc:
+        _stopped(exc, f"trustbatch sft {config} resume={cfg.run.path}")
     if summary:
         for line in summary_lines(summary):
             typer.echo(line)
@@ -494,19 +502,25 @@ def eval_model(
     from app.models import ModelRefError
     from app.rollout.process import ServerStartError
     from app.rollout.sglang import SGLangError
+    from app.stopping import Stopped, Stopping
 
     torch.set_num_threads(threads)
     uri = cfg.tracking.uri or _tracking_uri(None)
+    stopping = Stopping("eval", waiting="dropping the samples so far and stopping the engine (a few seconds)",
+                        on_first=_raise_stopped)  # fmt: skip
     try:
-        result = run_evaluation(
-            ref,
-            cfg.eval_job,
-            tracking_uri=uri,
-            engine=engine,
-            fit_new_tokens=max_new_tokens is None and config is None,
-            out=out,
-            track=track,
-        )
+        with stopping.installed():
+            result = run_evaluation(
+                ref,
+                cfg.eval_job,
+                tracking_uri=uri,
+                engine=engine,
+                fit_new_tokens=max_new_tokens is None and config is None,
+                out=out,
+                track=track,
+            )
+    except Stopped as exc:
+        _stopped(exc)
     except (ModelRefError, DatasetError, ValueError, OSError) as exc:
         _fail(_flag_hints(str(exc), EVAL_FLAGS))
     except (SGLangError, ServerStartError) as exc:  # a server that did not start or answer

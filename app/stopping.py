@@ -27,8 +27,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
-class Stopped(Exception):
-    """The command stopped on a signal (raised out of it after its own clean-up); the CLI exits 128 + signal."""
+class Stopped(BaseException):
+    """The command stopped on a signal; the CLI exits 128 + signal. A BaseException, as KeyboardInterrupt is:
+    raised from a signal handler at any point, it must pass through libraries' ``except Exception`` (MLflow's
+    store wraps those) up to the command, which cleans up and marks its run KILLED."""
 
     def __init__(self, signum: int, message: str = "") -> None:
         super().__init__(message or f"stopped by {signal.Signals(signum).name}")

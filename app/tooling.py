@@ -168,3 +168,4 @@ def open_tool_rollouts(
         yield ToolRollouts(Episodes(generate, text, fmt, pool, settings), kit.tasks)
     finally:
         pool.close()
+        sandbox_executor.close()  # the warm sandbox containers of this process go with the run

@@ -501,8 +501,9 @@ class Fleet:
 
     # ------------------------------------------------------------------ shutdown
 
-    async def close(self) -> None:
-        """Cancel a push in flight, stop the watchdog, leave the weight-update group, stop started servers."""
+    async def close(self, grace_s: float | None = None) -> None:
+        """Cancel a push in flight, stop the watchdog, leave the weight-update group, stop started servers (each
+        given ``grace_s`` between SIGTERM and SIGKILL; None: its own grace period)."""
         if self._push is not None:
             if not self._push.done():
                 self._push.cancel()
@@ -514,4 +515,4 @@ class Fleet:
         if self.http:
             await self.engine.close()
         for server in self.servers:
-            server.stop()
+            server.stop(timeout_s=grace_s)

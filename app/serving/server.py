@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shlex
 import signal
 import tempfile
@@ -41,6 +42,7 @@ from app.rollout.sglang_server import SGLangLaunchConfig
 from app.serving.native import create_app
 from app.serving.openai import create_openai_app
 from app.serving.requests import DEFAULT_MAX_BODY_BYTES
+from app.stopping import Stopped, Stopping
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +72,27 @@ def load(model_dir: Path, *, max_batch_size: int, tokenizer_required: bool = Tru
     return engine, tokenizer
 
 
-def _run(app: FastAPI, host: str, port: int) -> None:
+GRACE_S = 5.0
+"""On Ctrl-C or SIGTERM the server stops taking requests and gives those in flight this long to finish."""
+
+
+def _run(app: FastAPI, host: str, port: int, command: str = "serve") -> None:
+    """uvicorn until a signal: the first says at once that the server is stopping and gives the requests in flight
+    GRACE_S seconds; a second stops it at once (uvicorn's force exit)."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame) -> None:
+            first = not self.should_exit
+            text = (f"stopping; finishing the requests in flight (at most {GRACE_S:g} s). Press Ctrl-C again to stop "
+                    "at once." if first else "again: stopping now")  # fmt: skip
+            with contextlib.suppress(OSError):
+                os.write(2, f"\ntrustbatch {command}: {signal.Signals(sig).name}: {text}\n".encode())
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=GRACE_S)
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        Server(config).run()
 
 
 def build_app(
@@ -125,7 +143,7 @@ def rollout_server(
         tokenizer=tokenizer,
         max_body_bytes=max_body_bytes,
     )
-    _run(app, host, port)
+    _run(app, host, port, command="rollout-server")
 
 
 def served_name(ref: str) -> str:
@@ -167,18 +185,24 @@ def sglang_launch(
 
 @contextlib.contextmanager
 def _stopped_by_signals():
-    """Ctrl-C or SIGTERM, at any point inside, ends the block quietly (what was started is stopped on the way out)."""
+    """Ctrl-C or SIGTERM, at any point inside, says so and ends the block quietly (what was started is stopped on
+    the way out: the SGLang server's process group); a second signal kills it and exits at once."""
+    servers: list[ServerProcess] = []
 
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
+    def first(signum: int) -> None:
+        raise Stopped(signum)
 
-    previous = signal.signal(signal.SIGTERM, interrupt)
+    def kill() -> None:
+        for server in servers:
+            server.kill()
+
+    stopping = Stopping("serve", waiting="stopping the SGLang server (its whole process group)", on_first=first,
+                        kill=kill)  # fmt: skip
     try:
-        yield
-    except KeyboardInterrupt:
+        with stopping.installed():
+            yield servers
+    except Stopped:
         pass
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _run_until_stopped(server: ServerProcess) -> None:
@@ -244,8 +268,9 @@ def serve(
         log_dir = Path(tempfile.mkdtemp(prefix="trustbatch-serve-"))
         announce(f"engine: SGLang, starting (log in {log_dir})")
         options = EngineOptions(sglang=SGLangClientConfig(launch=launch), log_dir=log_dir)
-        with _stopped_by_signals(), open_engine("sglang", model_dir, options) as opened:
+        with _stopped_by_signals() as started, open_engine("sglang", model_dir, options) as opened:
             server = opened.servers[0]
+            started.append(server)
             announce(f"engine: SGLang ({shlex.join(server.command())})")
             announce(f"OpenAI API at http://{host}:{port}/v1 as model {name!r}")
             _run_until_stopped(server)

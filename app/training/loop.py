@@ -62,6 +62,9 @@ from trainer.step import TrainBatch, train_step
 
 log = logging.getLogger("trustbatch")
 
+STOP_GRACE_S = 3.0
+"""A run stopped by a signal gives each server it started this long between SIGTERM and SIGKILL."""
+
 
 def run(cfg: Config) -> dict:
     t_start = time.perf_counter()
@@ -198,7 +201,8 @@ async def train(p: Parts, t_start: float) -> dict:
         if producer is not None:
             producer.cancel()
             await asyncio.gather(producer, return_exceptions=True)
-        await p.fleet.close()  # a push still in flight is cancelled
+        # A push still in flight is cancelled; a stopped run gives its servers STOP_GRACE_S, not minutes.
+        await p.fleet.close(grace_s=STOP_GRACE_S if stopping.requested else None)
         stopping.remove_from_loop(loop)
     return finish(
         cfg, p.held_out, history, last, wall_s=time.perf_counter() - t_start, tracker=p.tracker, fleet=p.fleet,

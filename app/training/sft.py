@@ -36,6 +36,7 @@ from app.data.prepare import ModelText
 from app.data.sft import Examples, tokenize_examples
 from app.evaluation.command import evaluate_model
 from app.evaluation.run import EvalResult
+from app.stopping import Stopped, Stopping
 from app.tooling import tool_format
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
@@ -55,6 +56,21 @@ log = logging.getLogger("trustbatch")
 def run_sft(cfg: Config) -> dict:
     """`trustbatch sft CONFIG`: see the module docstring. Returns the summary (also written to summary.json)."""
     t_start = time.perf_counter()
+    state = {"finish_step": False}
+
+    def first(signum: int) -> None:
+        if cfg.checkpoint.on_stop and state.get("fitting"):
+            state.update(finish_step=True, signum=signum)  # the step in progress finishes and is checkpointed (sft_loop `stop`)
+            return
+        raise Stopped(signum, f"stopped {state.get('where', 'at start-up')}")
+
+    waiting = ("finishing the step in progress and checkpointing it (checkpoint.on_stop)" if cfg.checkpoint.on_stop
+               else "leaving the step in progress unfinished; resume= continues from the last complete checkpoint")
+    with Stopping("sft", waiting=waiting, on_first=first).installed():
+        return _run_sft(cfg, t_start, state)
+
+
+def _run_sft(cfg: Config, t_start: float, state: dict) -> dict:
     cfg, resume = resume_run(cfg)
     if resume.checkpoint is not None and resume.state.get("kind") != "sft":
         raise ConfigError(f"resume={cfg.resume}: {resume.checkpoint} is a checkpoint of `train`, not of `sft`")
@@ -93,7 +109,10 @@ def run_sft(cfg: Config) -> dict:
             "sft/dropped_long/train": float(train.dropped), "sft/dropped_long/eval": float(held.dropped),
         }, step=resume.step)  # fmt: skip
         summary = _train(cfg, dist, reducer, model, tokenizer, optimizer, scheduler, train, held, tracker,
-                         resume.step, total_steps, model_dir, t_start)  # fmt: skip
+                         resume.step, total_steps, model_dir, t_start, state)  # fmt: skip
+    except Stopped:
+        tracker.finish("KILLED")
+        raise
     except BaseException:
         tracker.finish("FAILED")
         raise
@@ -102,7 +121,8 @@ def run_sft(cfg: Config) -> dict:
 
 
 def _train(cfg, dist: DistInfo, reducer: Reducer, model, tokenizer, optimizer, scheduler, train: Examples,
-           held: Examples, tracker: Tracker, start: int, total_steps: int, model_dir: Path, t_start: float) -> dict:  # fmt: skip
+           held: Examples, tracker: Tracker, start: int, total_steps: int, model_dir: Path, t_start: float,
+           state: dict) -> dict:  # fmt: skip
     root = cfg.run.path / "checkpoints"
     history: list[dict] = []
     saved: dict[str, object] = {}
@@ -135,11 +155,15 @@ def _train(cfg, dist: DistInfo, reducer: Reducer, model, tokenizer, optimizer, s
         steps=total_steps, batch_size=cfg.sft.batch_size, micro_batch_size=cfg.trainer.micro_batch_size,
         max_grad_norm=cfg.trainer.max_grad_norm, compute_dtype=cfg.trainer.compute_dtype, seed=cfg.run.seed,
         eval_every=cfg.sft.eval_every,
-        time_limit_s=cfg.run.time_limit_s, label=f"sft {cfg.run.name}",
+        time_limit_s=cfg.run.time_limit_s, label=f"sft {cfg.run.name}", stop=lambda: state["finish_step"],
     )  # fmt: skip
     t_fit = time.perf_counter()
+    state.update(fitting=True, where="during a step (resume= continues from the last complete checkpoint)")
     fit(model, optimizer, scheduler, tokenizer.pad_token_id, train.examples, held.examples, settings,
         start=start, reducer=reducer, rank=dist.rank, on_step=on_step, on_checkpoint=on_checkpoint)  # fmt: skip
+    state.update(fitting=False, where="during the evaluation after the last step (its checkpoint is complete)")
+    if state["finish_step"]:
+        raise Stopped(state["signum"], f"stopped after step {saved.get('step', start)}, checkpointed")
     fit_s = time.perf_counter() - t_fit
     barrier()
     if not dist.is_main:

@@ -32,6 +32,8 @@ class FitSettings:
     time_limit_s: float = 0.0
     label: str = "sft"
     show_progress: bool = True
+    stop: Callable[[], bool] = lambda: False
+    """Asked after each step: True makes it the last (checkpointed, with `trustbatch sft`'s checkpoint.on_stop)."""
 
 
 StepHook = Callable[[int, dict[str, float]], None]
@@ -95,16 +97,19 @@ def fit(
                 "sft/epoch": sampler.cursor / len(train),
                 "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
             })  # fmt: skip
-            last = step == settings.steps or (
+            stopping = settings.stop()
+            last = step == settings.steps or stopping or (
                 settings.time_limit_s > 0 and time.perf_counter() - t0 > settings.time_limit_s
             )
-            if held_out and (last or (settings.eval_every and step % settings.eval_every == 0)):
+            if held_out and not stopping and (last or (settings.eval_every and step % settings.eval_every == 0)):
                 metrics["sft/held_out_loss"] = evaluate()
                 model.train()
             on_step(step, metrics)
             bar.update(1)
             bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}", tok_s=f"{tokens_seen / (time.perf_counter() - t0):.0f}")
             on_checkpoint(step, last)
+            if stopping:
+                metrics["sft/stopped"] = 1.0
             if last:
                 break
     finally:
