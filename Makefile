@@ -19,9 +19,10 @@ setup: $(VENV)/.installed
 quickstart: setup
 	OMP_NUM_THREADS=1 $(VENV)/bin/trustbatch train configs/quickstart.yaml
 
-# pytest exits 5 when it collects nothing; make treats any non-zero exit as failure.
+# pytest exits 5 when it collects nothing; make treats any non-zero exit as failure. Two workers (pytest-xdist):
+# the tests that keep both cores busy run one after another on one of them (tests/conftest.py, HEAVY).
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadgroup --durations=25 tests
 
 # Real SGLang 0.5.23 on CPU in its own venv (.venv-sglang) for tests/sglang and bench/rollout_engines.py.
 sglang-env:

@@ -15,7 +15,27 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 
+HEAVY = "heavy"
+"""The xdist group of the tests that each keep both cores busy for a minute or more (real SGLang, SmolLM2,
+several processes under torchrun): `make test` runs two workers (pytest-xdist, --dist loadgroup), and these run one
+after another on one of them, so that two never thrash the two cores together; everything else spreads over both."""
+
+
+def _heavy(item) -> bool:
+    path = str(item.path)
+    if "/tests/sglang/" in path or "/tests/gpu/" in path:
+        return True
+    if any(name in path for name in ("test_real_model", "test_convert_gguf", "test_code_rl", "test_multinode",
+                                     "test_distributed", "test_reproducibility")):  # fmt: skip
+        return True
+    fixtures = getattr(item, "fixturenames", ())
+    return any(name.startswith("smollm2") or name in ("converted", "trained", "served", "perturbed") for name in fixtures)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _heavy(item):
+            item.add_marker(pytest.mark.xdist_group(HEAVY))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device; none on this machine")
