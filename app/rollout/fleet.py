@@ -484,7 +484,10 @@ class Fleet:
             server.url, reason, self.restarts, self.cfg.max_restarts, model_dir or server.model_dir,
             server.weight_version if version is None else version,
         )  # fmt: skip
-        await asyncio.to_thread(server.start, model_dir=model_dir, weight_version=version)
+        # Started on the event loop's own thread (a Popen: milliseconds), never in a worker thread: a server dies
+        # with the thread that started it (PR_SET_PDEATHSIG), and the loop's blocking calls run in threads that
+        # end with the call (app.stopping), which killed every restarted server as soon as it was born.
+        server.start(model_dir=model_dir, weight_version=version)
         assert isinstance(self.engine, SGLangClient)
         await self.engine.wait_healthy(self.health_timeout_s)
         if self.adapters:  # it starts from the base model: give it the adapters requests name
