@@ -371,9 +371,21 @@ def _flag_hints(message: str, flags: dict[str, str]) -> str:
     return f"{message} ({'; '.join(named)})" if named else message
 
 
-@app.command("eval")
+@app.command("eval", context_settings={"allow_extra_args": True})
 def eval_model(
+    ctx: typer.Context,
     ref: ModelRef,
+    bench: Annotated[
+        list[str] | None,
+        typer.Option(help="Standard benchmarks instead of --data, each with its own prompt, verifier and sampling: "
+                          "gsm8k math500 aime24 aime25 amc23 humaneval mbpp (several: --bench gsm8k math500, or "
+                          "repeat the option). docs/data.md."),  # fmt: skip
+    ] = None,
+    bench_dir: Annotated[
+        Path | None,
+        typer.Option(help="Local mirrors of the benchmarks: DIR/<name> (a save_to_disk folder or a dataset "
+                          "repository's files) or DIR/<name>.jsonl / .parquet in the hub's columns."),  # fmt: skip
+    ] = None,
     data: Annotated[
         str, typer.Option(help="Prompts: a .jsonl / .jsonl.gz / .parquet file or builtin:<task> (data.eval).")
     ] = "builtin:arithmetic",
@@ -456,6 +468,17 @@ def eval_model(
     the same `eval` section as training's held-out evaluations."""
     if threads < 1:
         _fail(f"--threads {threads} must be >= 1")
+    if ctx.args and not bench:
+        _fail(f"unexpected argument(s) {ctx.args}: give one model reference (extra names follow --bench only)")
+    if bench:
+        from app.commands import eval_benchmarks
+
+        _setup_logging()
+        names = [n for item in [*bench, *ctx.args] for n in item.split(",") if n]
+        raise typer.Exit(code=eval_benchmarks(
+            ref, names, bench_dir, config=config, engine=engine, max_new_tokens=max_new_tokens, num_prompts=num_prompts,
+            out=out, track=track, tracking_uri=_tracking_uri(tracking_uri), dtype=dtype, sglang_python=sglang_python,
+            threads=threads))  # fmt: skip
     builtin = data.startswith("builtin:")
     given = {
         "--data": data,
@@ -534,6 +557,18 @@ def eval_model(
         typer.echo(f"MLflow run {result.mlflow_run_id} in {uri}")
     if out is not None:
         typer.echo(f"results: {out}")
+
+
+@app.command("data")
+def data_command(
+    config: Annotated[Path, typer.Argument(help="YAML config file: its data, rewards, eval and model sections.")],
+    overrides: Overrides = None,
+    check_references: Annotated[bool, typer.Option(help="Score every reference with its own verifiers.")] = False,
+) -> None:
+    """Load, map and check data.train and data.eval without training: rows, prompt lengths, overlap, examples."""
+    from app.commands import check_data
+
+    raise typer.Exit(code=check_data(_load(config, overrides), check_references=check_references))
 
 
 @app.command()

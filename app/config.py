@@ -160,9 +160,9 @@ class Config:
                 "lower rollout.max_new_tokens or raise model.tiny.max_position_embeddings"
             )
         if (
-            self.data.eval.startswith("builtin:")
+            all(spec.kind == "builtin" and not spec.max_rows for spec in self.data.sources("eval"))
             and self.eval.num_prompts is not None
-            and self.eval.num_prompts > self.data.num_eval
+            and self.eval.num_prompts > self.data.num_eval * len(self.data.sources("eval"))
         ):
             raise ValueError(
                 f"eval.num_prompts={self.eval.num_prompts} is more than the data.num_eval={self.data.num_eval} "

@@ -35,4 +35,20 @@ def score_texts(runner: RewardRunner, rows: list[PromptRow], texts: list[str]) -
         )
         for row, text in zip(rows, texts, strict=True)
     ]
-    return runner.score(inputs, [row.task for row in rows])
+    scores, metrics = runner.score(inputs, [row.task for row in rows])
+    return scores, {**metrics, **per_source(rows, scores)}
+
+
+def per_source(rows: list[PromptRow], scores: list[Score]) -> dict[str, float]:
+    """``reward/source/<name>/mean`` and ``.../correct`` for each source of a mixture (rows tagged with
+    ``metadata.data_source``); nothing when the rows come from one source."""
+    groups: dict[str, list[Score]] = {}
+    for row, score in zip(rows, scores, strict=True):
+        groups.setdefault(str(row.metadata.get("data_source", "")), []).append(score)
+    if len(groups) < 2:
+        return {}
+    out = {}
+    for name, group in groups.items():
+        out[f"reward/source/{name}/mean"] = sum(s.reward for s in group) / len(group)
+        out[f"reward/source/{name}/correct"] = sum(bool(s.correct) for s in group) / len(group)
+    return out

@@ -66,6 +66,10 @@ HUMANEVAL_REQUEST = (
     "Answer with the complete function in a ```python block."
 )
 """The user message of a data.format=humaneval row; {prompt} is the problem's signature and docstring."""
+MBPP_REQUEST = (
+    "{prompt}\nYour code should pass this test:\n\n{test}\n\nAnswer with the function in a ```python block."
+)
+"""The user message of a data.format=mbpp row (the task, and its first test as the customary prompt shows it)."""
 
 
 class DatasetError(ValueError):
@@ -239,7 +243,7 @@ def _to_row(raw: dict, default_id: str, origin: str = "") -> PromptRow:
 # ---------------------------------------------------------------------------------------------- files
 
 
-FORMATS = ("rows", "gsm8k", "humaneval")
+FORMATS = ("rows", "gsm8k", "humaneval", "mbpp")
 
 
 def file_extension(path: str | Path) -> str | None:
@@ -276,6 +280,8 @@ def load_prompts(path: str | Path, format: str = "rows", purpose: Purpose = "rl"
             raw, problems = _gsm8k_row(raw)
         elif format == "humaneval":
             raw, problems = _humaneval_row(raw)
+        elif format == "mbpp":
+            raw, problems = _mbpp_row(raw)
         else:
             problems = []
         problems = problems or _row_problems(raw, purpose)
@@ -379,6 +385,40 @@ def _humaneval_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
         "task": "code",
         "metadata": metadata,
     }
+    return row, []
+
+
+def _mbpp_row(raw: Any) -> tuple[Any, list[tuple[str, str]]]:
+    """An MBPP problem ({"task_id", "prompt" or "text", "test_list", "test_imports"}, the sanitized or the full
+    release) -> (a row of the row schema, problems): the task and its first test in the request, every test (with
+    the imports) as one code test, task `code`."""
+    if not isinstance(raw, dict):
+        return raw, [("(row)", f'must be an object {{"task_id", "prompt", "test_list"}}, got {describe(raw)}')]
+    prompt = raw.get("prompt", raw.get("text"))
+    tests, imports = raw.get("test_list"), raw.get("test_imports") or []
+    problems = []
+    if not isinstance(prompt, str) or not prompt.strip():
+        problems.append(("prompt", f"must be a non-empty string (data.format=mbpp: MBPP's prompt or text), got {describe(prompt)}"))
+    if not isinstance(tests, list) or not tests or not all(isinstance(t, str) and t.strip() for t in tests):
+        problems.append(("test_list", f"must be a non-empty list of assert statements (data.format=mbpp), got {describe(tests)}"))
+    if not isinstance(imports, list) or not all(isinstance(t, str) for t in imports):
+        problems.append(("test_imports", f"must be a list of import lines, got {describe(imports)}"))
+    if problems:
+        return raw, problems
+    code = "\n".join([*imports, *tests]) + "\n"
+    try:
+        compile(code, "<test>", "exec", dont_inherit=True)
+    except (SyntaxError, ValueError) as err:
+        return raw, [("test_list", f"does not compile ({type(err).__name__}: {err})")]
+    metadata = {k: v for k, v in raw.items() if k not in ("prompt", "text", "test_list", "test_imports", "metadata")}
+    row = {
+        "messages": [{"role": "user", "content": MBPP_REQUEST.format(prompt=prompt.strip(), test=tests[0])}],
+        "tests": [{"code": code}],
+        "task": "code",
+        "metadata": metadata,
+    }
+    if raw.get("task_id") is not None:
+        row["id"] = f"mbpp/{raw['task_id']}"
     return row, []
 
 

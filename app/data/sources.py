@@ -12,15 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.data.rows import (
-    FILE_EXTENSIONS,
-    FORMATS,
-    DatasetError,
-    PromptRow,
-    Purpose,
-    file_extension,
-    load_prompts,
-)
+from app.data.loaders import BUILTIN_PREFIX, SOURCE_KEY, SourceSpec, load_file, load_records, spec_from, tag
+from app.data.rows import FORMATS, DatasetError, PromptRow, Purpose
 from app.data.tasks import (
     ArithmeticConfig,
     PythonFunctionsConfig,
@@ -29,8 +22,6 @@ from app.data.tasks import (
     python_function_prompts,
     word_problem_prompts,
 )
-
-BUILTIN_PREFIX = "builtin:"
 
 
 @dataclass(frozen=True)
@@ -53,11 +44,15 @@ BUILTIN_TASKS: dict[str, BuiltinTask] = {
 class DataConfig:
     """Where training and evaluation prompts come from."""
 
-    train: str = "builtin:arithmetic"
-    """Training prompts: a .jsonl / .jsonl.gz / .parquet path or builtin:<task> (tasks: arithmetic, word_problems,
-    python_functions)."""
-    eval: str = "builtin:arithmetic"
-    """Evaluation prompts: a .jsonl / .jsonl.gz / .parquet path or builtin:<task>; builtin tasks use their test split."""
+    train: Any = "builtin:arithmetic"
+    """Training prompts: one source, or a list of sources with weights (a mixture: each draw picks a source in
+    proportion to its weight). A source is builtin:<task> (arithmetic, word_problems, python_functions), a file
+    (.jsonl, .jsonl.gz, .json, .parquet, .csv, .arrow), a directory (save_to_disk, or a dataset repository's
+    files), or hub:<owner>/<name>; as a mapping it also takes weight, name, format, fields, template, answer,
+    system, task, config, split, revision, max_rows and streaming (app/data/loaders.py, docs/data.md)."""
+    eval: Any = "builtin:arithmetic"
+    """Evaluation prompts: one source or a list of them (all of each; accuracy is reported per source); a built-in
+    task gives its test split."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
     """Settings of the builtin:arithmetic task."""
     word_problems: WordProblemsConfig = field(default_factory=WordProblemsConfig)
@@ -68,54 +63,104 @@ class DataConfig:
     """How many prompts a builtin train source generates (files are used whole)."""
     num_eval: int = 500
     """How many prompts a builtin eval source generates (files are used whole)."""
-    format: Literal["rows", "gsm8k", "humaneval"] = "rows"
-    """Schema of data.train / data.eval files: rows (the row schema of app/data/rows.py), gsm8k (GSM8K's
-    {"question", "answer": "... #### 42"} rows, posed as chat word problems with a \\boxed{} instruction) or
+    format: Literal["rows", "gsm8k", "humaneval", "mbpp"] = "rows"
+    """Schema of the sources that set no format of their own: rows (the row schema of app/data/rows.py), gsm8k
+    (GSM8K's {"question", "answer": "... #### 42"} rows, posed as chat word problems with a \\boxed{} instruction) or
     humaneval (HumanEval's {"task_id", "prompt", "entry_point", "test"} rows, .jsonl or .jsonl.gz: the function
-    asked for in a chat request, graded by the code verifier with the problem's check())."""
+    asked for in a chat request, graded by the code verifier with the problem's check()) or mbpp (MBPP's
+    {"task_id", "prompt", "test_list", "test_imports"} rows, its asserts as the code test)."""
     on_long_prompt: Literal["error", "drop"] = "error"
     """A prompt whose tokens (as the rollout engines get them: the chat template applied to `messages` rows)
     leave fewer than rollout.max_new_tokens positions in the model's context (max_position_embeddings).
     error: stop at start-up, naming the file and rows; drop: skip such rows of data.train and data.eval, logged
     with their count (MLflow metrics data/dropped_long_prompts/train and .../eval)."""
+    decontaminate: Literal["report", "drop"] = "report"
+    """Training rows that share a 13-gram (normalised text) with an evaluation prompt or a benchmark of
+    eval.benchmarks: report counts them at start-up (per source and evaluation set); drop also leaves them out."""
 
     def __post_init__(self) -> None:
-        for key in ("train", "eval"):
-            source = getattr(self, key)
-            if source.startswith(BUILTIN_PREFIX):
-                name = source[len(BUILTIN_PREFIX) :]
-                if name not in BUILTIN_TASKS:
-                    raise ValueError(
-                        f"data.{key}={source!r}: unknown built-in task {name!r}; choose one of "
-                        f"{[BUILTIN_PREFIX + t for t in BUILTIN_TASKS]} or give a .jsonl / .parquet path"
-                    )
-            elif file_extension(source) is None:
-                raise ValueError(
-                    f"data.{key}={source!r} is neither builtin:<task> nor a path ending in "
-                    f"{' / '.join(FILE_EXTENSIONS)}; e.g. data.{key}=builtin:arithmetic or data.{key}=prompts.jsonl"
-                )
         if self.format not in FORMATS:
             raise ValueError(f"data.format={self.format!r}: choose one of {list(FORMATS)}")
+        for split in ("train", "eval"):
+            specs = self.sources(split)
+            for i, spec in enumerate(specs):
+                key = f"data.{split}" if isinstance(getattr(self, split), str) else f"data.{split}[{i}]"
+                if spec.kind == "builtin":
+                    name = spec.source[len(BUILTIN_PREFIX) :]
+                    if name not in BUILTIN_TASKS:
+                        raise ValueError(
+                            f"{key}={spec.source!r}: unknown built-in task {name!r}; choose one of "
+                            f"{[BUILTIN_PREFIX + t for t in BUILTIN_TASKS]}, a file, a directory or hub:<owner>/<name>"
+                        )
+            names = [spec.label for spec in specs]
+            duplicates = sorted({n for n in names if names.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"data.{split}: sources {duplicates} share a name; give each a `name`")
+            if split == "train" and sum(spec.weight for spec in specs) <= 0:
+                raise ValueError("data.train: the weights sum to zero; give at least one source a weight > 0")
         for key in ("num_train", "num_eval"):
             if getattr(self, key) < 1:
                 raise ValueError(f"data.{key}={getattr(self, key)} must be >= 1")
 
+    def sources(self, split: Literal["train", "eval"]) -> list[SourceSpec]:
+        """The sources of ``data.<split>``, checked (a string is one source)."""
+        value = getattr(self, split)
+        if isinstance(value, str):
+            return [spec_from(value, f"data.{split}", self.format)]
+        if isinstance(value, dict):
+            return [spec_from(value, f"data.{split}", self.format)]
+        if not isinstance(value, (list, tuple)) or not value:
+            raise ValueError(f"data.{split}={value!r}: give a source or a non-empty list of sources")
+        return [spec_from(v, f"data.{split}[{i}]", self.format) for i, v in enumerate(value)]
+
+    def describe(self, split: Literal["train", "eval"]) -> str:
+        """``data.<split>`` for messages: the source, or the sources' names."""
+        specs = self.sources(split)
+        return specs[0].source if len(specs) == 1 else "[" + ", ".join(s.label for s in specs) + "]"
+
 
 def load_split(cfg: DataConfig, split: Literal["train", "eval"], purpose: Purpose = "rl") -> list[PromptRow]:
-    """Prompts of the train or eval source: a whole file, or a builtin task's train / test split. ``purpose``:
-    "rl" rows need an answer or tests, "sft" rows a completion (built-in rows have both)."""
+    """Prompts of the train or eval sources, concatenated in order, each tagged with its source's name
+    (``metadata.data_source``): a whole file, a built-in task's train / test split, or a `datasets` source (app/data/
+    loaders.py). ``purpose``: "rl" rows need an answer or tests, "sft" rows a completion (built-in rows have both)."""
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r} must be 'train' or 'eval'")
-    source = cfg.train if split == "train" else cfg.eval
-    if not source.startswith(BUILTIN_PREFIX):
-        return load_prompts(source, cfg.format, purpose)
-    task = BUILTIN_TASKS[source[len(BUILTIN_PREFIX) :]]
-    task_cfg = getattr(cfg, task.config_field)
-    try:  # too many prompts asked of a split, a template that fails its own check: a dataset error, not a crash
-        if split == "train":
-            return task.generate(task_cfg, "train", cfg.num_train)
-        return task.generate(task_cfg, "test", cfg.num_eval)
-    except DatasetError:
-        raise
-    except ValueError as e:
-        raise DatasetError(f"data.{split}={source}: {e}") from e
+    specs = cfg.sources(split)
+    rows: list[PromptRow] = []
+    for i, spec in enumerate(specs):
+        key = f"data.{split}" if len(specs) == 1 and isinstance(getattr(cfg, split), str) else f"data.{split}[{i}]"
+        rows += load_source(cfg, spec, split, purpose, key)
+    return rows
+
+
+def source_sizes(rows: list[PromptRow], specs: list[SourceSpec]) -> list[list[int]]:
+    """The row indices of each source, in the order of ``specs`` (what a mixture draws from)."""
+    index = {spec.label: k for k, spec in enumerate(specs)}
+    groups: list[list[int]] = [[] for _ in specs]
+    for i, row in enumerate(rows):
+        groups[index[row.metadata[SOURCE_KEY]]].append(i)
+    return groups
+
+
+def load_source(cfg: DataConfig, spec: SourceSpec, split: str, purpose: Purpose, key: str) -> list[PromptRow]:
+    """The rows of one source (``key`` names it in errors), tagged with its name."""
+    return tag(_read_source(cfg, spec, split, purpose, key), spec.label)
+
+
+def _read_source(cfg: DataConfig, spec: SourceSpec, split: str, purpose: Purpose, key: str) -> list[PromptRow]:
+    if spec.kind == "builtin":
+        task = BUILTIN_TASKS[spec.source[len(BUILTIN_PREFIX) :]]
+        task_cfg = getattr(cfg, task.config_field)
+        n = spec.max_rows or (cfg.num_train if split == "train" else cfg.num_eval)
+        try:  # too many prompts asked of a split, a template that fails its own check: a dataset error, not a crash
+            rows = task.generate(task_cfg, "train" if split == "train" else "test", n)
+        except DatasetError:
+            raise
+        except ValueError as e:
+            raise DatasetError(f"{key}={spec.source}: {e}") from e
+        if spec.system or spec.task or spec.answer != "as_is":
+            raise DatasetError(f"{key}: a built-in task takes no system, task or answer option")
+        return rows
+    if spec.plain:
+        return load_file(spec, purpose)
+    return load_records(spec, "train" if split == "train" else "test", purpose, key)

@@ -28,12 +28,13 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
-from app.data import load_split
+from app.data import DatasetError, load_split
 from app.data.prepare import ModelText, prepare_prompts
 from app.engines import EngineOptions, open_engine
 from app.errors import ConfigError
+from app.evaluation.benchmarks import Benchmark, resolve
 from app.evaluation.config import EvalJob
-from app.evaluation.report import log_to_mlflow, write_json
+from app.evaluation.report import log_benchmarks, log_to_mlflow, write_benchmarks, write_json
 from app.evaluation.run import EvalResult, sample_and_score
 from app.models import fetch, lookup
 from app.rollout.base import SamplingParams
@@ -74,7 +75,7 @@ def evaluate_model(
     )
     fit = fit_new_tokens and cfg.eval.max_new_tokens is None
     source = lookup(ref, tracking_uri=tracking_uri)  # fail on a bad reference before loading any data
-    data_source = cfg.data.eval if split == "eval" else cfg.data.train
+    data_source = cfg.data.describe(split)
     rows = load_split(cfg.data, split)[: cfg.eval.num_prompts]
     check_tasks(cfg.rewards, {row.task for row in rows})
     try:
@@ -198,3 +199,61 @@ def run_evaluation(
     if out is not None:
         write_json(result, out)
     return result
+
+
+def benchmark_job(job: EvalJob, bench: Benchmark, *, max_new_tokens: int | None = None,
+                  num_prompts: int | None = None) -> EvalJob:  # fmt: skip
+    """``job`` set up to run ``bench``: its data, its customary sampling and its verifier (the rest of ``job``,
+    engine and sandbox, as given)."""
+    from dataclasses import asdict
+
+    from rewards.config import VerifierSpec
+
+    data = replace(job.data, eval=asdict(bench.source))
+    settings = replace(job.eval, samples_per_prompt=bench.samples, temperature=bench.temperature, top_p=1.0,
+                       k=bench.k, num_prompts=num_prompts, greedy=False,
+                       max_new_tokens=max_new_tokens or bench.max_new_tokens)  # fmt: skip
+    verifier = VerifierSpec(name=bench.task, tasks=[bench.task])
+    keep = [v for v in job.rewards.verifiers if bench.task in v.tasks]  # a config's own verifier for the task wins
+    return replace(job, data=data, eval=settings, rewards=replace(job.rewards, verifiers=keep or [verifier]), tools=[])
+
+
+def run_benchmarks(
+    ref: str,
+    job: EvalJob,
+    names: list[str],
+    *,
+    tracking_uri: str,
+    engine: str = "embedded",
+    mirror: str | Path | None = None,
+    max_new_tokens: int | None = None,
+    num_prompts: int | None = None,
+    out: Path | None = None,
+    track: bool = True,
+) -> dict[str, EvalResult]:
+    """`trustbatch eval --bench NAME ...`: each benchmark evaluated as its entry says (app/evaluation/benchmarks.py),
+    one after another; one MLflow run with every benchmark's metrics, and ``out`` (the JSON of every benchmark)."""
+    benches = resolve(names, mirror)
+    for bench in benches:
+        if not bench.pinned and bench.source.source.startswith("hub:"):
+            log.warning("benchmark %s reads %s at its newest commit (not pinned here; pin it with revision=)",
+                        bench.name, bench.source.source)  # fmt: skip
+    results = {}
+    for bench in benches:
+        try:
+            results[bench.name] = evaluate_model(
+                ref, benchmark_job(job, bench, max_new_tokens=max_new_tokens, num_prompts=num_prompts),
+                tracking_uri=tracking_uri, engine=engine, label=f"bench {bench.name}",
+            )  # fmt: skip
+        except DatasetError as exc:
+            raise DatasetError(
+                f"benchmark {bench.name}: {exc}\n(for a benchmark, put that folder or file at DIR/{bench.name} "
+                f"(or DIR/{bench.name}.jsonl / .parquet) and pass --bench-dir DIR, or set $TRUSTBATCH_BENCH_DIR)"
+            ) from None
+    if track:
+        run_id = log_benchmarks(results, benches, experiment=job.experiment)
+        for result in results.values():
+            result.mlflow_run_id = run_id
+    if out is not None:
+        write_benchmarks(results, benches, out)
+    return results

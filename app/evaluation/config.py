@@ -39,8 +39,20 @@ class EvalConfig:
     """Longest completion; null: rollout.max_new_tokens."""
     seed: int | None = None
     """Sampling seed; null: run.seed + 17 (the same prompts and seed at every evaluation of a run)."""
+    benchmarks: list[str] = field(default_factory=list)
+    """Training: standard benchmarks evaluated with the held-out prompts (gsm8k math500 aime24 aime25 amc23
+    humaneval mbpp), each with its own prompt and sampling (app/evaluation/benchmarks.py); their tasks need a
+    verifier in rewards.verifiers. Also what data.decontaminate checks the training rows against."""
+    bench_dir: str = ""
+    """Local mirrors of the benchmarks: DIR/<name> (save_to_disk, or a dataset repository's files) or
+    DIR/<name>.jsonl / .parquet; empty: $TRUSTBATCH_BENCH_DIR, else the hub (HumanEval: make humaneval)."""
 
     def __post_init__(self) -> None:
+        from app.evaluation.benchmarks import BENCHMARKS  # the names only: nothing is loaded here
+
+        unknown = [name for name in self.benchmarks if name not in BENCHMARKS]
+        if unknown:
+            raise ValueError(f"eval.benchmarks: unknown benchmark(s) {unknown}; choose from {sorted(BENCHMARKS)}")
         if self.every < 0:
             raise ValueError(f"eval.every must be >= 0 (0 = only before and after), got {self.every}")
         if self.num_prompts is not None and self.num_prompts < 1:

@@ -6,6 +6,8 @@ evaluation temperature (sampled pass@1, and pass@k up to ``eval.k``) and, with `
 completion (greedy accuracy), through `sample_and_score` like `trustbatch eval`; it logs the metrics and keeps
 each result, so the run's summary can pair the first and the last evaluation prompt by prompt. Each evaluation's
 completions are written to ``<run dir>/eval/step-<step>-<sampled|greedy>.jsonl``, to read what the model wrote.
+The benchmarks of ``eval.benchmarks`` (`BenchmarkSet`) are evaluated at the same steps, each at its customary
+sampling, as ``bench/<name>/accuracy`` (and ``pass_at_<k>``).
 
 ``generate`` is a blocking call (the loop hands it one that submits to the fleet on the event loop), because
 evaluation runs in a worker thread while rollouts of the next steps go on. Under torchrun every rank samples its
@@ -17,7 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from app.data import PromptRow
@@ -27,6 +29,21 @@ from app.evaluation.run import EvalResult, Generate, sample_and_score
 from app.rollout.base import SamplingParams
 from rewards.runner import RewardRunner
 from trainer.distributed import Reducer
+
+
+@dataclass
+class BenchmarkSet:
+    """A standard benchmark evaluated with the held-out prompts (eval.benchmarks): its problems tokenized for the
+    model and its customary sampling (app/evaluation/benchmarks.py)."""
+
+    name: str
+    rows: list[PromptRow]
+    ids: list[list[int]]
+    params: SamplingParams
+    k: int = 1
+    """pass@k is reported too when k > 1."""
+    dropped: int = 0
+    """Problems left out, too long for the model's context."""
 
 
 class HeldOut:
@@ -56,11 +73,13 @@ class HeldOut:
         samples_dir: Path | None = None,
         rank: int = 0,
         world_size: int = 1,
+        benchmarks: list[BenchmarkSet] | None = None,
     ) -> None:
         assert None not in (settings.temperature, settings.top_p, settings.max_new_tokens), "resolve the settings"
         self.settings, self.rows, self.ids = settings, rows, ids
         self.runner, self.decode, self.reducer, self.log_metrics = runner, decode, reducer, log_metrics
         self.samples_dir, self.rank, self.world_size = samples_dir, rank, world_size
+        self.benchmarks = list(benchmarks or [])
         sampled = SamplingParams(
             max_new_tokens=settings.max_new_tokens,
             temperature=settings.temperature,
@@ -97,6 +116,9 @@ class HeldOut:
         }
         if sampled.answer_rate is not None:
             out["eval/answer_rate"] = sampled.answer_rate
+        for name, (accuracy, se, _) in sampled.by_source().items():  # a list of eval sources: each one's accuracy
+            out[f"eval/source/{name}/accuracy"] = accuracy
+            out[f"eval/source/{name}/accuracy_se"] = se
         for k in reported_ks(self.settings.k)[1:]:
             out[f"eval/pass_at_{k}"] = sampled.pass_at(k).value
         if "greedy" in self.results[step]:
@@ -104,6 +126,15 @@ class HeldOut:
             out["eval/greedy_accuracy"] = greedy.accuracy
             if greedy.answer_rate is not None:
                 out["eval/greedy_answer_rate"] = greedy.answer_rate
+        for bench in self.benchmarks:  # eval.benchmarks: bench/<name>/accuracy (and pass@k), at their own sampling
+            result = sample_and_score(
+                generate, bench.rows, bench.ids, bench.params, self.runner, self.decode, reducer=self.reducer,
+                label=f"benchmark {bench.name} at step {step}",
+            )  # fmt: skip
+            out[f"bench/{bench.name}/accuracy"] = result.accuracy
+            out[f"bench/{bench.name}/accuracy_se"] = result.stderr
+            if bench.k > 1:
+                out[f"bench/{bench.name}/pass_at_{bench.k}"] = result.pass_at(bench.k).value
         out["timing/eval"] = time.perf_counter() - t0
         if self.samples_dir is not None:
             self.write_samples(step)

@@ -62,6 +62,9 @@ def metrics(result: EvalResult) -> dict[str, float]:
     for key, value in timings(result).items():
         out[f"timing/eval/{key}"] = value
     out.update({f"eval/{key}": value for key, value in result.rollout_metrics.items()})
+    for name, (accuracy, se, _) in result.by_source().items():
+        out[f"eval/source/{name}/pass_at_1"] = accuracy
+        out[f"eval/source/{name}/pass_at_1/stderr"] = se
     return out
 
 
@@ -94,6 +97,7 @@ def to_json(result: EvalResult) -> dict:
         "answer_rate": result.answer_rate,
         "completion_tokens_mean": result.mean_completion_tokens,
         "rollout_metrics": result.rollout_metrics,
+        "by_source": {name: {"pass@1": a, "stderr": se, "prompts": n} for name, (a, se, n) in result.by_source().items()},
         "timings": timings(result),
         "tracking_uri": result.tracking_uri,
         "mlflow_run_id": result.mlflow_run_id,
@@ -179,6 +183,8 @@ def results_table(result: EvalResult):
         table.add_row("answer found (format)", f"{100 * result.answer_rate:.2f}%", "")
     table.add_row("verifier error rate", f"{100 * result.error_rate:.2f}%", "")
     table.add_row("completion tokens (mean)", f"{result.mean_completion_tokens:.1f}", "")
+    for name, (accuracy, se, prompts) in result.by_source().items():
+        table.add_row(f"pass@1, {name} ({prompts} prompts)", f"{100 * accuracy:.2f}%", f"{100 * se:.2f}")
     tools = result.rollout_metrics
     if tools:
         table.add_row("tool calls per answer", f"{tools['tools/calls_per_trajectory']:.2f}", "")
@@ -196,3 +202,85 @@ def results_table(result: EvalResult):
         style="dim",
     )
     return Group(header, table, footer)
+
+
+def benchmark_rows(results: dict[str, EvalResult], benches) -> list[dict]:
+    """One record per benchmark: its metric, pass@1 (or avg@n) and pass@k with SEs, prompts and samples."""
+    rows = []
+    for bench in benches:
+        result = results[bench.name]
+        passes = result.pass_at_ks(bench.k)
+        first, last = passes[1], passes[max(passes)]
+        rows.append({
+            "benchmark": bench.name, "metric": bench.metric, "prompts": len(result.rows), "samples": result.n,
+            "pass@1": first.value, "pass@1_stderr": first.stderr if math.isfinite(first.stderr) else None,
+            f"pass@{bench.k}": last.value, f"pass@{bench.k}_stderr": last.stderr if math.isfinite(last.stderr) else None,
+            "answer_rate": result.answer_rate, "pinned": bench.pinned, "data": result.data,
+        })  # fmt: skip
+    return rows
+
+
+def write_benchmarks(results: dict[str, EvalResult], benches, path: Path) -> None:
+    """``--out`` of `trustbatch eval --bench`: the table, and every benchmark's full results (`to_json`)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    body = {"table": benchmark_rows(results, benches), "benchmarks": {name: to_json(r) for name, r in results.items()}}
+    path.write_text(json.dumps(body, indent=2) + "\n")
+
+
+def log_benchmarks(results: dict[str, EvalResult], benches, *, experiment: str = "trustbatch") -> str:
+    """One MLflow run for a `--bench` evaluation: ``bench/<name>/pass_at_<k>`` (and stderr) per benchmark."""
+    first = next(iter(results.values()))
+    source = first.model
+    assert source is not None
+    tracker = Tracker(TrackingConfig(uri=first.tracking_uri, experiment=experiment), None,
+                      run_name=f"bench {source.ref}"[:250],
+                      tags={"trustbatch.kind": "benchmarks", "trustbatch.model_ref": source.ref})  # fmt: skip
+    tracker.log_params({"model.ref": source.ref, "model.path": first.model_dir, "benchmarks": ",".join(results)})
+    metrics = {}
+    for row in benchmark_rows(results, benches):
+        for key in [k for k in row if k.startswith("pass@") and not k.endswith("_stderr")]:
+            metrics[f"bench/{row['benchmark']}/{key.replace('@', '_at_')}"] = row[key]
+            if row[f"{key}_stderr"] is not None:
+                metrics[f"bench/{row['benchmark']}/{key.replace('@', '_at_')}/stderr"] = row[f"{key}_stderr"]
+    tracker.log_metrics(metrics, step=0)
+    tracker.log_text(json.dumps({"table": benchmark_rows(results, benches)}, indent=2), "benchmarks.json")
+    tracker.finish()
+    assert tracker.run_id is not None
+    return tracker.run_id
+
+
+def benchmarks_table(results: dict[str, EvalResult], benches):
+    """What `trustbatch eval --bench` prints: one row per benchmark, its metrics with SEs."""
+    from rich.table import Table
+
+    table = Table(title=f"{next(iter(results.values())).model.label}: benchmarks")
+    for column in ("benchmark", "metric", "prompts", "pass@1 / avg@n", "± s.e.", "pass@k", "± s.e.", "answer found"):
+        table.add_column(column, justify="left" if column in ("benchmark", "metric") else "right")
+    for row in benchmark_rows(results, benches):
+        k = [key for key in row if key.startswith("pass@") and key != "pass@1" and not key.endswith("_stderr")]
+        last = k[0] if k else "pass@1"
+
+        def pct(x):
+            return "-" if x is None else f"{100 * x:.2f}"
+
+        table.add_row(row["benchmark"] + ("" if row["pinned"] else " (unpinned)"), row["metric"], str(row["prompts"]),
+                      pct(row["pass@1"]), pct(row["pass@1_stderr"]), pct(row[last]) if last != "pass@1" else "-",
+                      pct(row.get(f"{last}_stderr")) if last != "pass@1" else "-",
+                      pct(row["answer_rate"]))  # fmt: skip
+    return table
+
+
+def report_benchmarks(results: dict[str, EvalResult], names: list[str], mirror, uri: str, out: Path | None) -> None:
+    """Print what `trustbatch eval --bench` measured: the table, the MLflow run, the JSON file."""
+    from rich.console import Console
+
+    from app.evaluation.benchmarks import resolve
+
+    console = Console() if Console().is_terminal else Console(width=160)
+    console.print(benchmarks_table(results, resolve(names, mirror)))
+    run_id = next(iter(results.values())).mlflow_run_id
+    if run_id:
+        console.print(f"MLflow run {run_id} in {uri}")
+    if out is not None:
+        console.print(f"results: {out}")

@@ -154,6 +154,18 @@ class EvalResult:
     def stderr(self) -> float:
         return clustered_stderr(self.per_prompt)
 
+    def by_source(self) -> dict[str, tuple[float, float, int]]:
+        """Sampled pass@1, its standard error and the prompts, per source (``metadata.data_source``) when the rows
+        come from several sources; empty otherwise (or for a result restored without its rows)."""
+        if len(self.rows) != len(self.correct):
+            return {}
+        groups: dict[str, list[float]] = {}
+        for row, accuracy in zip(self.rows, self.per_prompt, strict=True):
+            groups.setdefault(str(row.metadata.get("data_source", "")), []).append(accuracy)
+        if len(groups) < 2:
+            return {}
+        return {name: (sum(v) / len(v), clustered_stderr(v), len(v)) for name, v in groups.items()}
+
     def pass_at(self, k: int) -> PassAtK:
         return summarize(self.correct, self.n, k)
 

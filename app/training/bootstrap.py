@@ -40,9 +40,9 @@ def bootstrap(model_cfg: ModelConfig, data_cfg: DataConfig, out: Path, *, show_p
     rows = load_split(data_cfg, "train", "sft")
     text = ModelText(tokenizer, model_cfg.tiny.max_position_embeddings, "model.tiny (model.bootstrap=true)")
     # Tool transcripts (data.arithmetic.solutions=tool): the tool's output blocks are context, not targets.
-    tool = data_cfg.train == "builtin:arithmetic" and data_cfg.arithmetic.solutions == "tool"
+    tool = any(s.source == "builtin:arithmetic" for s in data_cfg.sources("train")) and data_cfg.arithmetic.solutions == "tool"
     transcripts = dict(transcripts=FencedFormat(), tool_tasks=frozenset({"math"})) if tool else {}
-    examples = tokenize_examples(rows, text, on_long="drop", source=data_cfg.train, **transcripts).examples
+    examples = tokenize_examples(rows, text, on_long="drop", source=data_cfg.describe("train"), **transcripts).examples
     sft = model_cfg.sft
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(

@@ -54,7 +54,7 @@ from app.training.records import (
     step_metrics,
 )  # fmt: skip
 from app.training.resume import resume_run
-from app.training.sampler import PromptSampler
+from app.training.sampler import MixtureSampler, PromptSampler
 from app.training.setup import Parts, setup
 from app.training.signals import DriftWatch
 from trainer.advantages import group_advantages, informative_groups
@@ -128,9 +128,7 @@ async def train(p: Parts, t_start: float) -> dict:
     producer: asyncio.Task | None = None
     try:
         await p.fleet.connect(publish_hooks(cfg, clock, generated, buffer), p.policy.model, version=start)
-        sampler = PromptSampler(
-            len(p.train.rows), cfg.run.seed, cursor=start * r.prompts_per_step, skip_decided=r.skip_decided
-        )
+        sampler = p.sampler(cursor=start * r.prompts_per_step)  # seeded epochs, or a weighted mixture of sources
         producer = asyncio.create_task(produce(p, clock, buffer, generated, lag, sampler, first_ticket=start + 1))
         if start == 0:
             first = await evaluate(0)
@@ -238,7 +236,7 @@ async def produce(
     buffer: StalenessBuffer[Group],
     generated: Watermark,
     lag: LagBound,
-    sampler: PromptSampler,
+    sampler: PromptSampler | MixtureSampler,
     *,
     first_ticket: int,
 ) -> None:

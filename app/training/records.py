@@ -120,8 +120,18 @@ def step_metrics(
         "rollout/policy_lag/max": lag_max,
         "rollout/max_lag": issued_under,
         **{f"rollout/policy_lag/frac_{k}": count / num_groups for k, count in enumerate(hist)},
-        **{k: sum(m.get(k, 0.0) for m in tickets.values()) / len(tickets) for k in keys},
+        **{k: _ticket_mean(tickets.values(), k) for k in keys},
     }
+
+
+def _ticket_mean(tickets, key: str) -> float:
+    """A scoring metric over the step's tickets: a mixture's per-source metric over the tickets that drew the
+    source (a ticket without it did not score 0 on it), any other over all of them (absent counts 0)."""
+    tickets = list(tickets)
+    if key.startswith("reward/source/"):
+        values = [m[key] for m in tickets if key in m]
+        return sum(values) / len(values)
+    return sum(m.get(key, 0.0) for m in tickets) / len(tickets)
 
 
 class Utilisation:
@@ -340,6 +350,8 @@ def finish(
         "tracking_uri": tracker.tracking_uri,
         "resumed_from_step": resumed_from or None,
         **tool_summary(rows),
+        **source_summary(rows, before["sampled"], after["sampled"]),
+        **benchmark_summary(held_out.history),
     }
     if dist.is_main:
         plot_path = cfg.run.path / "training.png"
@@ -382,6 +394,43 @@ def tool_summary(rows: list[dict]) -> dict:
         str(k): {"ess": mean(f"loss/ess_turn/{k}"), "logprob_gap": mean(f"loss/logprob_gap_turn/{k}")} for k in turns
     }
     return out
+
+
+def source_summary(rows: list[dict], before, after) -> dict:
+    """A mixture's sources (``metadata.data_source``): each one's share of the training samples' correct answers
+    over the run, and its held-out sampled pass@1 before and after; empty for one source."""
+    prefix = "reward/source/"
+    train = {k[len(prefix) : -len("/correct")] for r in rows for k in r if k.startswith(prefix) and k.endswith("/correct")}
+    first, last = before.by_source(), after.by_source()
+    names = sorted(train | set(first))
+    if not names:
+        return {}
+    out = {}
+    for name in names:
+        values = [r[f"{prefix}{name}/correct"] for r in rows if f"{prefix}{name}/correct" in r]
+        out[name] = {
+            "train_correct": sum(values) / len(values) if values else None,
+            "initial_accuracy": first[name][0] if name in first else None,
+            "final_accuracy": last[name][0] if name in last else None,
+            "eval_prompts": first[name][2] if name in first else 0,
+        }
+    return {"sources": out}
+
+
+def benchmark_summary(evaluations: list[dict]) -> dict:
+    """eval.benchmarks: each one's accuracy (and its SE) at the first and the last evaluation; empty without."""
+    if not evaluations:
+        return {}
+    first, last = evaluations[0], evaluations[-1]
+    names = sorted({k.split("/")[1] for k in first if k.startswith("bench/") and k.endswith("/accuracy")})
+    if not names:
+        return {}
+    return {"benchmarks": {
+        name: {
+            "initial_accuracy": first[f"bench/{name}/accuracy"], "initial_accuracy_se": first[f"bench/{name}/accuracy_se"],
+            "final_accuracy": last.get(f"bench/{name}/accuracy"), "final_accuracy_se": last.get(f"bench/{name}/accuracy_se"),
+        } for name in names
+    }}  # fmt: skip
 
 
 def rate(per_s: float) -> str:
@@ -445,6 +494,16 @@ def summary_lines(summary: dict) -> list[str]:
             else []
         ),
         *_tool_lines(summary.get("tools")),
+        *(
+            f"source {name}: training samples correct {pct(v['train_correct'])}; held-out sampled pass@1 "
+            f"{pct(v['initial_accuracy'])} → {pct(v['final_accuracy'])} ({v['eval_prompts']} prompts)"
+            for name, v in (summary.get("sources") or {}).items()
+        ),
+        *(
+            f"benchmark {name}: {pct(v['initial_accuracy'])} ± {100 * v['initial_accuracy_se']:.2f} → "
+            f"{pct(v['final_accuracy'])} ± {100 * (v['final_accuracy_se'] or 0):.2f}"
+            for name, v in (summary.get("benchmarks") or {}).items()
+        ),
         f"MLflow run {summary['mlflow_run_id']} in {summary['tracking_uri']}",
     ]
 

@@ -57,3 +57,47 @@ class PromptSampler:
             self.skip_left[index] = self.skip_decided
         else:
             self.skip_left.pop(index, None)
+
+
+class MixtureSampler:
+    """A weighted mixture of sources (``data.train`` as a list): each draw picks a source in proportion to its
+    weight, then that source's next prompt in its own seeded epochs (`PromptSampler`). Deterministic for a seed, and
+    resumable: the draw count is the cursor (the sources' own positions are replayed from it).
+
+    ``groups[s]`` are the indices (into the run's prompt list) of source s; a source with no row or weight 0 is
+    never drawn. ``skip_decided`` works per source, as in `PromptSampler`."""
+
+    def __init__(self, groups: list[list[int]], weights: list[float], seed: int, cursor: int = 0,
+                 skip_decided: int = 0) -> None:  # fmt: skip
+        if len(groups) != len(weights):
+            raise ValueError(f"{len(groups)} sources but {len(weights)} weights")
+        live = [s for s, (g, w) in enumerate(zip(groups, weights, strict=True)) if g and w > 0]
+        if not live:
+            raise ValueError("no source of the mixture has both rows and a weight > 0")
+        self.groups, self.seed = groups, seed
+        self._live = live
+        self._weights = [weights[s] for s in live]
+        self._rng = random.Random(f"mixture:{seed}")
+        self._samplers = [PromptSampler(len(g), seed * 7919 + s, skip_decided=skip_decided) for s, g in enumerate(groups)]
+        self._where = {index: (s, k) for s, group in enumerate(groups) for k, index in enumerate(group)}
+        self.cursor = 0
+        if cursor:
+            self.take(cursor)  # replay: the same draws land every source where it was
+            for sampler in self._samplers:
+                sampler.skipped = 0
+
+    @property
+    def skipped(self) -> int:
+        return sum(sampler.skipped for sampler in self._samplers)
+
+    def take(self, k: int) -> list[int]:
+        out = []
+        for source in self._rng.choices(self._live, weights=self._weights, k=k):
+            [local] = self._samplers[source].take(1)
+            out.append(self.groups[source][local])
+        self.cursor += k
+        return out
+
+    def decided(self, index: int, decided: bool) -> None:
+        source, local = self._where[index]
+        self._samplers[source].decided(local, decided)

@@ -16,6 +16,7 @@ import contextlib
 import copy
 import logging
 import os
+import re
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,9 +25,13 @@ import torch
 
 from app.config import Config, ConfigError, check_trainable, flatten, to_yaml
 from app.data import PromptRow, load_split
+from app.data.decontaminate import Overlaps, decontaminate
+from app.data.loaders import SOURCE_KEY
 from app.data.prepare import ModelText, Prompts, prepare_prompts
+from app.data.sources import source_sizes
 from app.engines import EngineOptions, open_engine
-from app.evaluation.held_out import HeldOut
+from app.evaluation.benchmarks import Benchmark, load_benchmark, resolve
+from app.evaluation.held_out import BenchmarkSet, HeldOut
 from app.rollout.base import Completion, SamplingParams
 from app.rollout.fleet import Fleet
 from app.rollout.probe import PublishCheck, probe_ids
@@ -36,6 +41,7 @@ from app.tooling import ToolKit, ToolRollouts, load_toolkit, open_tool_rollouts
 from app.tracking import Tracker
 from app.training.bootstrap import ensure_model
 from app.training.resume import Resume, set_aside
+from app.training.sampler import MixtureSampler, PromptSampler
 from rewards import check_tasks
 from rewards.runner import RewardRunner
 from trainer.checkpoint import load_checkpoint
@@ -91,6 +97,16 @@ class Parts:
             return await self.fleet.generate(prompts, params)
         return await self.tools.generate(prompts, params, tasks)
 
+    def sampler(self, cursor: int = 0) -> PromptSampler | MixtureSampler:
+        """The order prompts are drawn in: seeded epochs over data.train, or, when data.train lists several
+        sources, a mixture drawing each source in proportion to its weight; resumable from ``cursor``."""
+        r, specs = self.cfg.rollout, self.cfg.data.sources("train")
+        if len(specs) == 1:
+            return PromptSampler(len(self.train.rows), self.cfg.run.seed, cursor=cursor, skip_decided=r.skip_decided)
+        groups = source_sizes(self.train.rows, specs)
+        return MixtureSampler(groups, [spec.weight for spec in specs], self.cfg.run.seed, cursor=cursor,
+                              skip_decided=r.skip_decided)  # fmt: skip
+
     def close(self) -> None:
         self.closing.close()
 
@@ -129,21 +145,83 @@ def run_prompts(
     )
     new_tokens = max(cfg.rollout.max_new_tokens, cfg.rollout.total_tokens if tools else 0)
     train = prepare_prompts(
-        train_rows, text, max_new_tokens=new_tokens, source_key="data.train", source=cfg.data.train, **common,
+        train_rows, text, max_new_tokens=new_tokens, source_key="data.train", source=cfg.data.describe("train"), **common,
     )  # fmt: skip
     eval_new_tokens = max(new_tokens, cfg.eval.max_new_tokens or 0)
     held_out = prepare_prompts(
-        eval_rows, text, max_new_tokens=eval_new_tokens, source_key="data.eval", source=cfg.data.eval,
+        eval_rows, text, max_new_tokens=eval_new_tokens, source_key="data.eval", source=cfg.data.describe("eval"),
         keep=cfg.eval.num_prompts, **common,
     )  # fmt: skip
     return PromptSets(train, held_out)
 
 
 def check_run_tasks(cfg: Config, rows: list[PromptRow]) -> None:
-    try:
-        check_tasks(cfg.rewards, {row.task for row in rows})
-    except ValueError as exc:
-        raise ConfigError(f"data.train={cfg.data.train!r} / data.eval={cfg.data.eval!r}: {exc}") from None
+    """Every source's tasks have a verifier: else stop, naming the source, its tasks and the fix."""
+    by_source: dict[str, set[str]] = {}
+    for row in rows:
+        by_source.setdefault(str(row.metadata.get("data_source", "")), set()).add(row.task)
+    for name, tasks in by_source.items():
+        try:
+            check_tasks(cfg.rewards, tasks)
+        except ValueError as exc:
+            raise ConfigError(
+                f"data source {name!r} (data.train={cfg.data.describe('train')!r} / data.eval="
+                f"{cfg.data.describe('eval')!r}): {exc} Or set the source's `task` to one the verifiers score."
+            ) from None
+
+
+def run_benchmarks(cfg: Config) -> list[tuple[Benchmark, list[PromptRow]]]:
+    """The benchmarks of ``eval.benchmarks`` and their problems (local mirrors from ``eval.bench_dir``)."""
+    return [(bench, load_benchmark(bench, cfg.data)) for bench in resolve(list(cfg.eval.benchmarks), cfg.eval.bench_dir or None)]
+
+
+def evaluation_sets(eval_rows: list[PromptRow], benchmarks: list[tuple[Benchmark, list[PromptRow]]]) -> dict[str, list[PromptRow]]:
+    """What the training rows are checked against for contamination: each data.eval source, each benchmark."""
+    sets: dict[str, list[PromptRow]] = {}
+    for row in eval_rows:
+        sets.setdefault(f"data.eval:{row.metadata.get(SOURCE_KEY, '')}", []).append(row)
+    for bench, rows in benchmarks:
+        sets[f"bench:{bench.name}"] = rows
+    return sets
+
+
+def report_overlap(overlap: Overlaps, mode: str) -> None:
+    """The decontamination report, one log line per (training source, evaluation set) that overlap."""
+    if not overlap.counts:
+        log.info("decontamination: no training row shares a 13-gram with an evaluation set")
+        return
+    verb = "left out" if mode == "drop" else "kept (data.decontaminate=report; drop leaves them out)"
+    for line in overlap.lines():
+        log.warning("decontamination: %s", line)
+    log.warning("decontamination: %d training row(s) overlap an evaluation set: %s", len(overlap.rows), verb)
+
+
+def overlap_metrics(overlap: Overlaps, *, dropped: bool) -> dict[str, float]:
+    """data/overlap/<train source>/<evaluation set> and data/contaminated_rows (data/decontaminated_rows when
+    dropped), for MLflow."""
+    clean = lambda name: re.sub(r"[^\w\-. /:]", "_", name)  # noqa: E731 - MLflow's metric-name alphabet
+    out = {f"data/overlap/{clean(train)}/{clean(other)}": float(n) for (train, other), n in overlap.counts.items()}
+    out["data/contaminated_rows"] = float(len(overlap.rows))
+    out["data/decontaminated_rows"] = float(len(overlap.rows) if dropped else 0)
+    return out
+
+
+def benchmark_sets(cfg: Config, text: ModelText, benchmarks: list[tuple[Benchmark, list[PromptRow]]]) -> list[BenchmarkSet]:
+    """Each benchmark's problems tokenized for the model, with its customary sampling; the completion budget is
+    eval.max_new_tokens (else the benchmark's own), less where the longest problem leaves less of the context;
+    problems too long for the context are left out and counted."""
+    out = []
+    for bench, rows in benchmarks:
+        prompts = prepare_prompts(
+            rows, text, max_new_tokens=cfg.eval.max_new_tokens or bench.max_new_tokens, on_long_prompt="drop",
+            source_key="eval.benchmarks", source=bench.name, fit=True,
+        )  # fmt: skip
+        params = SamplingParams(
+            max_new_tokens=prompts.max_new_tokens, temperature=bench.temperature, top_p=1.0, n=bench.samples,
+            stop_token_ids=text.stop_token_ids, seed=cfg.run.seed + 17,
+        )  # fmt: skip
+        out.append(BenchmarkSet(bench.name, prompts.rows, prompts.ids, params, bench.k, prompts.dropped))
+    return out
 
 
 def early_text(cfg: Config) -> ModelText | None:
@@ -212,7 +290,10 @@ def setup(cfg: Config, resume: Resume) -> Parts:
     check_trainable(cfg)
     train_rows = load_split(cfg.data, "train")
     eval_rows = load_split(cfg.data, "eval")
-    check_run_tasks(cfg, train_rows + eval_rows[: cfg.eval.num_prompts])
+    benchmarks = run_benchmarks(cfg)
+    train_rows, overlap = decontaminate(train_rows, evaluation_sets(eval_rows, benchmarks), cfg.data.decontaminate)
+    report_overlap(overlap, cfg.data.decontaminate)
+    check_run_tasks(cfg, train_rows + eval_rows[: cfg.eval.num_prompts] + [r for _, rows in benchmarks for r in rows])
     try:
         kit = load_toolkit(cfg.tools)
     except ValueError as exc:
@@ -229,6 +310,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         sets = run_prompts(cfg, text, train_rows, eval_rows, kit)
     assert text is not None
     check_run_tasks(cfg, sets.train.rows + sets.eval.rows)
+    bench_sets = benchmark_sets(cfg, text, benchmarks)
 
     closing = contextlib.ExitStack()
     try:
@@ -260,6 +342,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         counts = {f"data/dropped_long_prompts/{split}": float(n) for split, n in sets.dropped.items()}
         counts["data/train_prompts"] = float(len(sets.train.rows))
         counts["data/eval_prompts"] = float(len(sets.eval.rows))
+        counts |= overlap_metrics(overlap, dropped=cfg.data.decontaminate == "drop")
         tracker.log_metrics(counts, step=resume.step)
     except BaseException:
         closing.close()
@@ -280,6 +363,7 @@ def setup(cfg: Config, resume: Resume) -> Parts:
         samples_dir=cfg.run.path / "eval",
         rank=dist.rank,
         world_size=dist.world_size,
+        benchmarks=bench_sets,
     )
     return Parts(
         cfg=cfg,

@@ -87,8 +87,8 @@ def _run_sft(cfg: Config, t_start: float, state: dict) -> dict:
     transcripts = tool_format(cfg.rollout.tool_format, tokenizer, str(model_dir)) if cfg.tools else None
     tool_tasks = frozenset(task for spec in cfg.tools for task in spec.tasks)
     common = dict(on_long=cfg.sft.on_long, transcripts=transcripts, tool_tasks=tool_tasks)
-    train = tokenize_examples(train_rows, text, source_key="data.train", source=cfg.data.train, **common)
-    held = tokenize_examples(eval_rows, text, source_key="data.eval", source=cfg.data.eval, **common)
+    train = tokenize_examples(train_rows, text, source_key="data.train", source=cfg.data.describe("train"), **common)
+    held = tokenize_examples(eval_rows, text, source_key="data.eval", source=cfg.data.describe("eval"), **common)
     total_steps = cfg.sft.total_steps(len(train.examples))
     log.info(
         "sft: %d examples (%d target tokens, %.0f per example; %d dropped as too long), %d held-out; %d steps of "

@@ -311,6 +311,7 @@ def test_load_split_builtin_and_file(tmp_path):
     cfg = DataConfig(num_train=50, num_eval=20)
     train, evaluation = load_split(cfg, "train"), load_split(cfg, "eval")
     assert len(train) == 50 and len(evaluation) == 20
+    assert {r.metadata.pop("data_source") for r in train + evaluation} == {"arithmetic"}  # its source's name
     assert train == arithmetic_prompts(cfg.arithmetic, "train", 50)
     assert evaluation == arithmetic_prompts(cfg.arithmetic, "test", 20)
     file_cfg = DataConfig(train=str(FIXTURE), eval=str(FIXTURE))
@@ -336,7 +337,7 @@ def test_data_config_is_omegaconf_structured():
     ("kwargs", "match"),
     [
         ({"train": "builtin:sudoku"}, r"data\.train='builtin:sudoku': unknown built-in task"),
-        ({"eval": "prompts.csv"}, r"data\.eval='prompts.csv' is neither"),
+        ({"eval": "prompts.txt"}, r"data\.eval\.source='prompts.txt' is neither"),
         ({"num_train": 0}, r"data\.num_train=0"),
         ({"num_eval": -1}, r"data\.num_eval=-1"),
     ],
@@ -417,7 +418,7 @@ def test_jsonl_gz_files_are_read_like_jsonl_and_named_in_config_checks(tmp_path)
     assert [r.answer for r in rows] == ["2", "4"] and rows[1].origin == f"{packed}: line 2"
     cfg = DataConfig(train=str(packed), eval=str(packed))
     assert len(load_split(cfg, "train")) == 2
-    with pytest.raises(ValueError, match=r"\.jsonl / \.jsonl\.gz / \.parquet"):
+    with pytest.raises(ValueError, match=r"\.jsonl / \.jsonl\.gz / \.json / \.parquet / \.csv / \.arrow"):
         DataConfig(train=str(tmp_path / "p.json.gz"))
     with pytest.raises(DatasetError, match="unsupported file extension"):
         load_prompts(tmp_path / "p.gz")

@@ -278,6 +278,7 @@ def test_a_builtin_source_configured_through_omegaconf():
         "ages",
     ]
     train, evaluation = load_split(cfg, "train"), load_split(cfg, "eval")
+    assert {r.metadata.pop("data_source") for r in train + evaluation} == {"word_problems"}
     assert train == word_problem_prompts(cfg.word_problems, "train", 60)
     assert evaluation == word_problem_prompts(cfg.word_problems, "test", 30)
     with pytest.raises(ValueError, match=r"data\.word_problems\.max_ops"):
