@@ -38,6 +38,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Literal
 
+from app.data.cache import default_cache_dir  # noqa: F401 - where models are cached; imported from here too
+
 MODEL_FILES = ("config.json",)
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
 COMPLETE_MARKER = ".trustbatch-complete"
@@ -137,9 +139,9 @@ def _client(tracking_uri: str):
                 "holds your runs"
             )
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
-    from mlflow import MlflowClient
+    from app.tracking import mlflow_client
 
-    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+    return mlflow_client(tracking_uri, registry_uri=tracking_uri)
 
 
 def _not_found(exc: Exception) -> bool:
@@ -254,13 +256,6 @@ def _lookup_run(ref: str, run_id: str, path: str, tracking_uri: str) -> ModelSou
 
 
 # ---------------------------------------------------------------------------------------------- download
-
-
-def default_cache_dir() -> Path:
-    """$TRUSTBATCH_CACHE_DIR, else $XDG_CACHE_HOME/trustbatch, else ~/.cache/trustbatch."""
-    if os.environ.get("TRUSTBATCH_CACHE_DIR"):
-        return Path(os.environ["TRUSTBATCH_CACHE_DIR"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "trustbatch"
 
 
 def _cache_path(source: ModelSource, tracking_uri: str) -> Path:

@@ -157,6 +157,60 @@ def _plugin_schemes() -> set[str]:
     return {ep.name for ep in entry_points(group="mlflow.tracking_store")}
 
 
+_STORE_FILES: dict[str, tuple[int, int]] = {}
+"""The SQLite file (device, inode) each store URI had when this process last used it."""
+
+
+def _identity(db: Path) -> tuple[int, int] | None:
+    try:
+        st = db.stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _drop_engines(db: Path) -> None:
+    """Dispose of the SQLAlchemy engines MLflow's stores keep (per class, by URI) for the file ``db``."""
+    from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as RegistryStore
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore as TrackingStore
+
+    for store in (TrackingStore, RegistryStore):
+        engines = getattr(store, "_engine_map", None)
+        if not isinstance(engines, dict):
+            continue
+        for uri in [u for u in engines if sqlite_path(u) is not None and sqlite_path(u).resolve() == db.resolve()]:
+            engines.pop(uri).dispose()
+
+
+def mlflow_client(tracking_uri: str, registry_uri: str | None = None):
+    """``MlflowClient`` for ``tracking_uri``, safe where its SQLite file was replaced since this process used it.
+
+    MLflow keeps one store per URI for the life of the process (an lru_cache), connected to the file it first
+    opened. Remove a run directory's store and use the same path again in the same process (a notebook, a test
+    suite) and that store writes to the deleted file: "attempt to write a readonly database". When the file at a
+    known URI is no longer the one seen before, MLflow's cached stores are dropped first."""
+    from mlflow.tracking import MlflowClient
+
+    db = sqlite_path(tracking_uri)
+    if db is not None:
+        key = str(db.resolve())
+        seen = _STORE_FILES.get(key)
+        if seen is not None and seen != _identity(db):
+            from mlflow.tracking._model_registry.registry import ModelRegistryStoreRegistry
+            from mlflow.tracking._tracking_service.registry import TrackingStoreRegistry
+
+            TrackingStoreRegistry._get_store_with_resolved_uri.cache_clear()
+            ModelRegistryStoreRegistry._get_store_with_resolved_uri.cache_clear()
+            _drop_engines(db)
+            del _STORE_FILES[key]
+    client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri)
+    if db is not None:
+        client.search_experiments(max_results=1)  # opens (creates) the file, so that its identity is the store's
+        if (now := _identity(db)) is not None:
+            _STORE_FILES[str(db.resolve())] = now
+    return client
+
+
 def ensure_experiment(client, name: str, tracking_uri: str) -> str:
     """The id of experiment ``name``, created if missing. A SQLite store keeps its artifacts in ``mlartifacts/``
     beside the database file (the run directories' parent by default), never in the current directory."""
@@ -200,12 +254,10 @@ class Tracker:
         if not enabled:
             return
         _import_mlflow()
-        from mlflow.tracking import MlflowClient
-
         db = sqlite_path(self.tracking_uri)
         if db is not None:
             db.parent.mkdir(parents=True, exist_ok=True)  # store_problem checked that it can be created
-        self.client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = mlflow_client(self.tracking_uri)
         if resume_run_id:
             run = self.client.get_run(resume_run_id)
             self.client.update_run(resume_run_id, status="RUNNING")

@@ -1,9 +1,10 @@
 """Decontamination: training rows that share a 13-gram with an evaluation prompt.
 
 A row's text is its prompt, or its chat's non-system messages (a system instruction that every row of a task
-shares would otherwise match everything), normalised: lower case, every run of characters that is not a letter or
-a digit made one space. Its n-grams are the word 13-grams of that text (a text of fewer than 13 words is one
-n-gram, itself). A training row overlaps an evaluation set when one of its n-grams is one of the set's, as in the
+shares would otherwise match everything), normalised: lower case, split into words (runs of letters and digits)
+and the symbols that carry mathematical meaning (+ - * / = ^ < > % and brackets), everything else (punctuation,
+spacing) dropped: "2+7=" and "2-7=" are different problems and stay different. Its n-grams are the 13-grams of
+those tokens (a text of fewer than 13 is one n-gram, itself). A training row overlaps an evaluation set when one of its n-grams is one of the set's, as in the
 decontamination reports of GPT-3 and of NeMo-Skills. `overlaps` counts them per training source and evaluation
 set, and gives the indices of the rows that overlap any set, which ``data.decontaminate: drop`` leaves out.
 """
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 from app.data.rows import DatasetError, PromptRow
 
 NGRAM = 13
-_NOT_WORD = re.compile(r"[^0-9a-z]+")
+_TOKEN = re.compile(r"[^\W_]+|[-+*/=^<>%()\[\]{}×÷−]")
 
 
 def row_text(row: PromptRow) -> str:
@@ -27,7 +28,7 @@ def row_text(row: PromptRow) -> str:
 
 def ngrams(text: str, n: int = NGRAM) -> set[int]:
     """Hashes of the word n-grams of ``text`` after normalisation (module docstring); empty for an empty text."""
-    words = _NOT_WORD.sub(" ", text.lower()).split()
+    words = _TOKEN.findall(text.lower())
     if not words:
         return set()
     if len(words) < n:

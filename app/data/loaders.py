@@ -144,12 +144,14 @@ def spec_from(value: Any, key: str, default_format: str) -> SourceSpec:
         raise ValueError(f"{key}={value!r}: give a source (builtin:<task>, a path, hub:<id>) or a mapping {{source: ...}}")
     if not spec.format:
         spec.format = default_format
-    check_spec(spec, key)
+    check_spec(spec, key, source_key=key if isinstance(value, str) else f"{key}.source")
     return spec
 
 
-def check_spec(spec: SourceSpec, key: str) -> None:
-    """ValueError naming ``key`` for a source that cannot be read, before anything is loaded."""
+def check_spec(spec: SourceSpec, key: str, source_key: str = "") -> None:
+    """ValueError naming ``key`` for a source that cannot be read, before anything is loaded (``source_key``: how
+    messages name its source, ``key`` itself where the config gave the source as a string)."""
+    source_key = source_key or f"{key}.source"
     if not isinstance(spec.source, str) or not spec.source:
         raise ValueError(f"{key}.source is empty; give builtin:<task>, a path, or hub:<owner>/<name>")
     if spec.format not in FORMATS:
@@ -171,10 +173,10 @@ def check_spec(spec: SourceSpec, key: str) -> None:
         raise ValueError(f"{key}: a built-in task ({spec.source}) takes no fields, template, streaming, config or "
                          "revision; set its options in data.<task>")  # fmt: skip
     if spec.kind == "hub" and "/" not in spec.source[len(HUB_PREFIX) :]:
-        raise ValueError(f"{key}.source={spec.source!r}: a hub id is hub:<owner>/<name>, e.g. hub:openai/gsm8k")
+        raise ValueError(f"{source_key}={spec.source!r}: a hub id is hub:<owner>/<name>, e.g. hub:openai/gsm8k")
     if spec.kind == "file" and not (file_extension(spec.source) or spec.source.endswith(DATASET_EXTENSIONS)):
         raise ValueError(
-            f"{key}.source={spec.source!r} is neither builtin:<task>, hub:<owner>/<name>, a directory, nor a file "
+            f"{source_key}={spec.source!r} is neither builtin:<task>, hub:<owner>/<name>, a directory, nor a file "
             f"ending in {' / '.join(DATASET_EXTENSIONS)}"
         )
     if spec.template:

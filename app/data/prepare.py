@@ -7,21 +7,35 @@ Every command that samples (`train`, `eval`; and `sft` as it comes) goes through
   template) and checks their length (`limit_prompt_lengths`): a prompt that leaves fewer than the completion
   budget (``rollout.max_new_tokens`` in training) in the model's context is an error naming the file and rows
   (``data.on_long_prompt=error``), or is dropped and counted (``drop``).
+
+Token ids of a large set are cached by content (`encode_rows`): the key hashes the tokenizer (its whole
+definition and chat template), the tool schemas and every row's text, so any change misses and a second run with
+the same data and model reads them back at once ($TRUSTBATCH_CACHE_DIR/tokens; TRUSTBATCH_TOKEN_CACHE=0 turns it
+off). The newest `TOKEN_CACHE_FILES` sets are kept.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from app.data.cache import default_cache_dir
 from app.data.rows import _MAX_REPORTED_ERRORS, DatasetError, PromptRow
 from trainer.model import encode_prompt
 
 log = logging.getLogger("trustbatch")
 
 OnLongPrompt = Literal["error", "drop"]
+
+TOKEN_CACHE_MIN_ROWS = 2048
+"""Sets smaller than this are tokenized every time (milliseconds); larger ones are cached by content."""
+TOKEN_CACHE_FILES = 16
+"""How many tokenized sets the cache keeps (the least recently used are removed)."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +96,95 @@ def encode_rows(tokenizer, rows: list[PromptRow], chat_tools: dict[str, list[dic
     """Token ids of each row as the rollout engines get them (`encode_prompt`: plain prompts without special
     tokens, chats through the chat template, with ``chat_tools[row.task]``'s tool schemas when given); plain
     prompts are tokenized in batches (fast tokenizers run them in Rust), which gives the same ids as one at a
-    time."""
+    time. A set of `TOKEN_CACHE_MIN_ROWS` rows or more is read from the token cache when it holds it (module
+    docstring), and written there when not."""
+    path = _cache_file(tokenizer, rows, chat_tools)
+    if path is not None and path.is_file():
+        try:
+            import numpy as np
+
+            with np.load(path) as saved:
+                flat, offsets = saved["flat"], saved["offsets"]
+            if len(offsets) == len(rows) + 1:
+                os.utime(path)  # recently used
+                return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(rows))]
+        except (OSError, ValueError, KeyError) as exc:  # a damaged file: tokenize again and rewrite it
+            log.warning("token cache %s unreadable (%s); tokenizing again", path, exc)
+    out = _encode_rows(tokenizer, rows, chat_tools)
+    if path is not None:
+        _save_cache(path, out)
+    return out
+
+
+def _tokenizer_fingerprint(tokenizer) -> str | None:
+    """A hash of everything that decides a tokenizer's ids: its full definition and chat template (None: a
+    tokenizer with no serialisable definition, never cached)."""
+    known = getattr(tokenizer, "_trustbatch_fingerprint", None)
+    if known is not None:
+        return known
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    digest = hashlib.sha256()
+    for part in (type(tokenizer).__name__, backend.to_str(), str(getattr(tokenizer, "chat_template", None)),
+                 json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)):  # fmt: skip
+        digest.update(part.encode())
+        digest.update(b"\0")
+    fingerprint = digest.hexdigest()
+    try:
+        tokenizer._trustbatch_fingerprint = fingerprint
+    except AttributeError:
+        pass
+    return fingerprint
+
+
+def _cache_file(tokenizer, rows: list[PromptRow], chat_tools) -> Path | None:
+    if len(rows) < TOKEN_CACHE_MIN_ROWS or os.environ.get("TRUSTBATCH_TOKEN_CACHE", "1").lower() in ("0", "false", "no"):
+        return None
+    fingerprint = _tokenizer_fingerprint(tokenizer)
+    if fingerprint is None:
+        return None
+    digest = hashlib.sha256(fingerprint.encode())
+    digest.update(json.dumps(chat_tools or {}, sort_keys=True).encode())
+    for row in rows:
+        if row.prompt is not None:
+            digest.update(b"p\0" + row.prompt.encode("utf-8", "surrogatepass") + b"\0")
+        else:
+            text = json.dumps(row.messages, sort_keys=True, ensure_ascii=False)
+            task = row.task.encode() if chat_tools else b""
+            digest.update(b"m\0" + text.encode("utf-8", "surrogatepass") + b"\0" + task + b"\0")
+    return default_cache_dir() / "tokens" / f"{digest.hexdigest()[:32]}.npz"
+
+
+def _save_cache(path: Path, ids: list[list[int]]) -> None:
+    import numpy as np
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        offsets[1:] = np.cumsum([len(x) for x in ids])
+        flat = np.fromiter((t for x in ids for t in x), dtype=np.int64, count=int(offsets[-1]))
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.npz")
+        with open(tmp, "wb") as f:
+            np.savez(f, flat=flat, offsets=offsets)
+        os.replace(tmp, path)  # atomic: a reader sees the whole file or none
+    except OSError as exc:  # a read-only or full cache: the ids are still right, only not kept
+        log.warning("could not write the token cache %s (%s)", path, exc)
+        return
+    def used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:  # removed meanwhile by another process
+            return 0.0
+
+    for old in sorted(path.parent.glob("*.npz"), key=used, reverse=True)[TOKEN_CACHE_FILES:]:
+        try:
+            old.unlink(missing_ok=True)
+        except OSError:
+            pass
+
+
+def _encode_rows(tokenizer, rows: list[PromptRow], chat_tools: dict[str, list[dict]] | None) -> list[list[int]]:
     out: list[list[int] | None] = [None] * len(rows)
     plain = [i for i, row in enumerate(rows) if row.prompt is not None]
     for start in range(0, len(plain), 4096):

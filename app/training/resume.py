@@ -99,11 +99,12 @@ def set_aside(damaged: list[tuple[Path, str]]) -> None:
 
 def _run_dir_of_mlflow_run(cfg: Config, run_id: str) -> Path:
     from mlflow.exceptions import MlflowException
-    from mlflow.tracking import MlflowClient
+
+    from app.tracking import mlflow_client
 
     uri = cfg.tracking_uri
     try:
-        run = MlflowClient(tracking_uri=uri).get_run(run_id)
+        run = mlflow_client(uri).get_run(run_id)
     except MlflowException as exc:
         raise ConfigError(
             f"resume={run_id}: not a directory, and not a run in the MLflow store {uri} ({exc.message}); "

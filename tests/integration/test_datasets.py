@@ -157,7 +157,7 @@ def test_eval_bench_prints_one_table_and_writes_json(tmp_path, tiny_model_dir, b
     report = json.loads(out.read_text())
     [row] = report["table"]
     assert row["benchmark"] == "gsm8k" and 0.0 <= row["pass@1"] <= 1.0, row
-    assert len(report["benchmarks"]["gsm8k"]["prompts"]) == len(GSM8K_ROWS)
+    assert row["prompts"] == len(GSM8K_ROWS)
 
     # An unknown name, and a benchmark with no mirror and no network: a clear error, no traceback.
     done = trustbatch("eval", str(tiny_model_dir), "--bench", "gsm9k", cwd=tmp_path)
@@ -165,3 +165,35 @@ def test_eval_bench_prints_one_table_and_writes_json(tmp_path, tiny_model_dir, b
     done = trustbatch("eval", str(tiny_model_dir), "--bench", "math500", "--bench-dir", str(bench_dir),
                       cwd=tmp_path, env_extra={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})  # fmt: skip
     assert done.returncode != 0 and "bench-dir" in done.stderr + done.stdout and "Traceback" not in done.stderr
+
+
+@pytest.fixture(scope="module")
+def long_context_tiny(tmp_path_factory) -> Path:
+    """An untrained tiny Qwen2 (byte-level tokenizer) with 2,048 positions: room for HumanEval's prompts."""
+    from trainer.model import TinyModelConfig, build_tiny_model, build_tiny_tokenizer, save_model
+
+    out = tmp_path_factory.mktemp("models") / "tiny-2048"
+    tokenizer = build_tiny_tokenizer()
+    save_model(build_tiny_model(TinyModelConfig(max_position_embeddings=2048), tokenizer), tokenizer, out)
+    return out
+
+
+def test_eval_bench_humaneval_and_gsm8k_from_a_mirror(tmp_path, long_context_tiny, bench_dir):
+    """`trustbatch eval MODEL --bench humaneval gsm8k`: HumanEval from the cache (`make humaneval`), graded in the
+    sandbox; GSM8K from a local mirror; one table, one JSON file."""
+    import os
+
+    from app.fetch import humaneval_path
+
+    if not humaneval_path().is_file():
+        if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
+            pytest.fail(f"no {humaneval_path()}; CI runs `make humaneval` before the tests, so it must be there")
+        pytest.skip(f"no {humaneval_path()}; fetch it with: make humaneval")
+    out = tmp_path / "bench.json"
+    done = trustbatch("eval", str(long_context_tiny), "--bench", "humaneval", "gsm8k", "--bench-dir", str(bench_dir),
+                      "--num-prompts", "6", "--max-new-tokens", "32", "--out", str(out), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    table = {row["benchmark"]: row for row in json.loads(out.read_text())["table"]}
+    assert set(table) == {"humaneval", "gsm8k"}
+    assert table["humaneval"]["prompts"] == 6 and table["gsm8k"]["prompts"] == 6, table
+    assert "humaneval" in done.stdout and "gsm8k" in done.stdout

@@ -180,7 +180,7 @@ def test_eval_command_on_a_jsonl_file_uses_the_config_sections(tiny_model_dir, t
         (["--k", "0"], "eval.k=0: k must be >= 1 (--k sets eval.k"),
         (["--k", "4", "--samples", "2"], "eval.samples_per_prompt=2 is below eval.k=4"),
         (["--k", "4", "--samples", "2"], "--samples sets eval.samples_per_prompt"),
-        (["--data", "prompts.txt"], "data.eval='prompts.txt' is neither builtin:<task> nor a path"),
+        (["--data", "prompts.txt"], "data.eval='prompts.txt' is neither builtin:<task>, hub:<owner>/<name>, a directory, nor a file"),
         (["--data", "prompts.txt"], "(--data sets data.eval)"),
         (["--engine", "vllm"], "engine 'vllm': choose one of embedded, local, sglang, auto"),
         (["--dtype", "float16"], "rollout.dtype='float16' must be one of ['float32', 'bfloat16']"),

@@ -337,7 +337,7 @@ def test_data_config_is_omegaconf_structured():
     ("kwargs", "match"),
     [
         ({"train": "builtin:sudoku"}, r"data\.train='builtin:sudoku': unknown built-in task"),
-        ({"eval": "prompts.txt"}, r"data\.eval\.source='prompts.txt' is neither"),
+        ({"eval": "prompts.txt"}, r"data\.eval='prompts.txt' is neither"),
         ({"num_train": 0}, r"data\.num_train=0"),
         ({"num_eval": -1}, r"data\.num_eval=-1"),
     ],
