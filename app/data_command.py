@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from app.config import Config
-from app.data import DatasetError, PromptRow
+from app.data import PromptRow
 from app.data.decontaminate import Overlaps, overlaps
 from app.data.prepare import ModelText, encode_rows
 from app.data.sources import load_source
@@ -69,10 +69,8 @@ def reference_text(row: PromptRow) -> str | None:
 
 def data_report(cfg: Config, text: ModelText | None, *, check_references: bool = False, show: int = 2) -> DataReport:
     """Everything `trustbatch data` prints (module docstring). DatasetError for a source that cannot be read."""
-    from app.evaluation.benchmarks import resolve
-    from app.evaluation.command import benchmark_job
     from app.tooling import load_toolkit
-    from app.training.setup import check_run_tasks
+    from app.training.setup import check_run_tasks, evaluation_sets, run_benchmarks
 
     kit = load_toolkit(cfg.tools)
     chat_tools = kit.chat_tools(cfg.rollout.tool_format) if kit is not None else None
@@ -96,13 +94,8 @@ def data_report(cfg: Config, text: ModelText | None, *, check_references: bool =
                 report.examples = [text.tokenizer.decode(x) for x in ids[:show]]
             reports.append(report)
     check_run_tasks(cfg, loaded["train"] + loaded["eval"])  # a source no verifier serves stops here, as in train
-    eval_sets = {"data.eval": loaded["eval"][: cfg.eval.num_prompts]}
-    for bench in resolve(list(cfg.eval.benchmarks), cfg.eval.bench_dir or None):
-        job = benchmark_job(cfg.eval_job, bench)
-        try:
-            eval_sets[f"bench:{bench.name}"] = load_source(job.data, job.data.sources("eval")[0], "eval", "rl", f"eval.benchmarks: {bench.name}")
-        except DatasetError as exc:
-            raise DatasetError(f"{exc}\n(eval.benchmarks names {bench.name}: give it a local mirror with eval.bench_dir)") from None
+    # The same evaluation sets as training checks (each data.eval source, each benchmark), loaded the same way.
+    eval_sets = evaluation_sets(loaded["eval"][: cfg.eval.num_prompts], run_benchmarks(cfg))
     result = DataReport(reports, overlaps(loaded["train"], eval_sets), budget)
     if check_references:
         _check(cfg, loaded["train"] + loaded["eval"], result)
