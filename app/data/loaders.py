@@ -249,6 +249,12 @@ def records(spec: SourceSpec, split: str, key: str) -> Iterator[dict]:
         if spec.kind == "hub":
             raise DatasetError(_offline_message(spec, key, exc)) from None
         raise DatasetError(f"{key}: cannot read {spec.source} ({type(exc).__name__}: {exc})") from None
+    if isinstance(data, datasets.Dataset):  # column batches: about 3x faster than formatting one row at a time
+        for batch in data.iter(batch_size=1024):
+            columns = list(batch.items())
+            for i in range(len(columns[0][1]) if columns else 0):
+                yield {k: values[i] for k, values in columns if values[i] is not None}
+        return
     for record in data:
         yield {k: v for k, v in dict(record).items() if v is not None}
 
@@ -317,6 +323,7 @@ def load_records(spec: SourceSpec, split: str, purpose: Purpose, key: str) -> li
     rows: list[PromptRow] = []
     errors: list[str] = []
     source = iter(records(spec, split, key))
+    label = spec.label  # once: a file source's label stats the path
     for number, raw in enumerate(source, start=1):
         row, problems = map_record(spec, raw)
         if not problems and spec.format == "gsm8k":
@@ -331,7 +338,7 @@ def load_records(spec: SourceSpec, split: str, purpose: Purpose, key: str) -> li
             if len(errors) > 1000:  # enough to see what is wrong; a broken mapping fails every record
                 break
             continue
-        rows.append(_to_row(row, default_id=f"{spec.label}:{number}", origin=f"{spec.source}: record {number}"))
+        rows.append(_to_row(row, default_id=f"{label}:{number}", origin=f"{spec.source}: record {number}"))
         if spec.max_rows and len(rows) >= spec.max_rows:
             break
     if errors:

@@ -187,10 +187,28 @@ def _surrogate_problems(row: dict) -> list[tuple[str, str]]:
             for i, v in enumerate(value):
                 walk(v, f"{where}[{i}]")
 
+    if _all_ascii(row):  # nearly every row: no surrogate can hide in ASCII text, and no paths need building
+        return found
     for key, value in row.items():
         walk(key, "row (a key)")
         walk(value, str(key))
     return found
+
+
+def _all_ascii(value: Any) -> bool:
+    """Every string in `value` (keys included) is ASCII."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item)
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return True
 
 
 def _message_problems(messages: Any) -> list[tuple[str, str]]:
