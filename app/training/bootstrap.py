@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -28,12 +30,23 @@ MODEL_REFERENCES = ("models:/", "runs:/")
 """model.path prefixes that name a model in the MLflow store (a registered version, or a run's artifact)."""
 
 
-def bootstrap(model_cfg: ModelConfig, data_cfg: DataConfig, out: Path, *, show_progress: bool = True) -> Path:
+def bootstrap(
+    model_cfg: ModelConfig,
+    data_cfg: DataConfig,
+    out: Path,
+    *,
+    show_progress: bool = True,
+    draws: Literal["epochs", "replacement"] = "epochs",
+) -> Path:
     """Build, warm-start and save the tiny model at `out`; returns `out`.
 
     The warm start is `trustbatch sft`'s own loop (app/training/sft_loop.py `fit`) on the rows of data.train, each
     prompt followed by its completion (builtin:arithmetic: the answer) and EOS, the loss on the completion only;
-    AdamW at model.sft.lr with a cosine decay to 10%."""
+    AdamW at model.sft.lr with a cosine decay to 10%. Its batches come from seeded epochs over the rows
+    (``draws="epochs"``, what `trustbatch sft` does); ``draws="replacement"`` draws each example independently
+    instead, as the warm start did before it ran `fit` (bench/warm_start.py compares the two)."""
+    if draws not in ("epochs", "replacement"):
+        raise ValueError(f"draws={draws!r} is not one of 'epochs', 'replacement'")
     torch.manual_seed(model_cfg.tiny.seed)
     tokenizer = build_tiny_tokenizer()
     model = build_tiny_model(model_cfg.tiny, tokenizer)
@@ -44,6 +57,9 @@ def bootstrap(model_cfg: ModelConfig, data_cfg: DataConfig, out: Path, *, show_p
     transcripts = dict(transcripts=FencedFormat(), tool_tasks=frozenset({"math"})) if tool else {}
     examples = tokenize_examples(rows, text, on_long="drop", source=data_cfg.describe("train"), **transcripts).examples
     sft = model_cfg.sft
+    if draws == "replacement" and examples:  # steps x batch_size independent draws: `fit` then takes one epoch
+        rng = random.Random(model_cfg.tiny.seed)
+        examples = [examples[rng.randrange(len(examples))] for _ in range(sft.steps * sft.batch_size)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, sft.steps) / max(sft.steps, 1)))
