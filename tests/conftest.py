@@ -1,5 +1,6 @@
 """Shared test set-up: one torch thread per process (two threads on two busy cores stall), no hub access."""
 
+import json
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -58,6 +59,31 @@ def pytest_collection_finish(session):
             "pytest and pytest-xdist disagree on how a test's id is stored; install the versions pyproject.toml "
             "allows (pip install -e '.[dev]')"
         )
+
+
+TIMES_ENV = "TRUSTBATCH_TEST_TIMES"
+"""A file that gets one JSON line per test phase (node id, phase, worker, start, stop, duration) when set: `.ci/run`
+sets it, and bench/ci_times.py tells from it where the suite's wall time goes (each worker's busy time, the heavy
+group's share, the slowest tests)."""
+
+
+_ON_CONTROLLER = [True]
+
+
+def pytest_configure(config):
+    _ON_CONTROLLER[0] = not hasattr(config, "workerinput")  # an xdist worker reports to the controller, which writes
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get(TIMES_ENV)
+    if not path or not _ON_CONTROLLER[0]:
+        return
+    node = getattr(report, "node", None)  # the xdist worker that ran it (absent without xdist)
+    row = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
+           "worker": getattr(getattr(node, "gateway", None), "id", "main"), "start": getattr(report, "start", None),
+           "stop": getattr(report, "stop", None), "duration": report.duration}  # fmt: skip
+    with open(path, "a") as out:
+        out.write(json.dumps(row) + "\n")
 
 
 # ------------------------------------------------------------------ the real pretrained model (make smollm2)
