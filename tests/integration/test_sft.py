@@ -172,3 +172,21 @@ def test_filter_prompts_keeps_the_prompts_in_the_pass_rate_band(tiny_model_dir, 
     bad = CliRunner().invoke(app, ["filter-prompts", str(REPO / "configs" / "quickstart.yaml"), "--model",
                                    str(tiny_model_dir), "--low", "0.9", "--high", "0.1"])  # fmt: skip
     assert bad.exit_code == 2 and "must satisfy 0 <= low <= high <= 1" in bad.output
+
+
+def test_the_warm_start_draws_its_batches_in_epochs_or_with_replacement(tmp_path):
+    """bench/warm_start.py's two warm starts: the same seed, different batches, so different weights; each is
+    deterministic, and an unknown order is refused."""
+    from app.training.bootstrap import bootstrap
+
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [*TINY_DATA, "model.sft.steps=3", "model.sft.batch_size=8"])
+
+    def weights(draws: str, name: str) -> dict:
+        out = bootstrap(cfg.model, cfg.data, tmp_path / name, show_progress=False, draws=draws)
+        return load_file(str(out / "model.safetensors"))
+
+    epochs, again, replacement = weights("epochs", "a"), weights("epochs", "b"), weights("replacement", "c")
+    assert all(torch.equal(epochs[k], again[k]) for k in epochs)
+    assert any(not torch.equal(epochs[k], replacement[k]) for k in epochs)
+    with pytest.raises(ValueError, match="draws='shuffle' is not one of"):
+        bootstrap(cfg.model, cfg.data, tmp_path / "d", show_progress=False, draws="shuffle")
