@@ -341,8 +341,9 @@ def main() -> int:
           f"{dec['bytes_per_s_with_cache_cat'] / GIGA:.1f} GB/s")  # fmt: skip
     print("forward FLOPs = " + FORMULAS["forward_flops"] + "; training = 3 x forward")
     share = (time.process_time() - cpu) / (time.perf_counter() - wall)
+    busy = "" if share >= 0.95 else "; well under 100%: other processes took its core, every rate is low"
     print(f"this process was on a CPU {share:.0%} of its wall time (load {os.getloadavg()[0]:.2f}, "
-          f"{os.cpu_count()} CPUs); well under 100%: other processes took its core, every rate is low")  # fmt: skip
+          f"{os.cpu_count()} CPUs){busy}")  # fmt: skip
     report = {"bench": "roofline", "model": str(model_dir), "config": str(args.config),
               "machine": {**machine(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
                           "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load": os.getloadavg()[0],
