@@ -67,16 +67,9 @@ sets it, and bench/ci_times.py tells from it where the suite's wall time goes (e
 group's share, the slowest tests)."""
 
 
-_ON_CONTROLLER = [True]
-
-
-def pytest_configure(config):
-    _ON_CONTROLLER[0] = not hasattr(config, "workerinput")  # an xdist worker reports to the controller, which writes
-
-
 def pytest_runtest_logreport(report):
     path = os.environ.get(TIMES_ENV)
-    if not path or not _ON_CONTROLLER[0]:
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):  # an xdist worker reports to the controller, which writes
         return
     node = getattr(report, "node", None)  # the xdist worker that ran it (absent without xdist)
     row = {"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
