@@ -14,6 +14,7 @@ is asked exactly as in training; `metadata` holds the kind, the expression and e
 (what bench/arithmetic_errors.py checks the model's own "a + b = c" lines against).
 
     .venv/bin/python bench/new_wording.py                 # writes bench/data/word_problems_new_wording.jsonl
+    .venv/bin/python bench/new_wording.py --tool          # the same problems under the python tool's instruction
     .venv/bin/trustbatch eval MODEL --data bench/data/word_problems_new_wording.jsonl ...
 """
 
@@ -29,9 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from app.data.rows import WORD_PROBLEM_INSTRUCTION  # noqa: E402
+from app.data.rows import WORD_PROBLEM_INSTRUCTION, WORD_PROBLEM_TOOL_INSTRUCTION  # noqa: E402
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "data" / "word_problems_new_wording.jsonl"
+DATA = Path(__file__).resolve().parent / "data"
+DEFAULT_OUT = DATA / "word_problems_new_wording.jsonl"
+TOOL_OUT = DATA / "word_problems_new_wording_tool.jsonl"
 COUNTS = {"add": 50, "sub": 50, "mul": 40, "div": 40, "two_step": 60}
 
 
@@ -166,8 +169,9 @@ def solve(steps: tuple[str, ...], numbers: dict[str, int]) -> list[dict]:
     return out
 
 
-def problems(seed: int = 0, counts: dict[str, int] = COUNTS) -> list[dict]:
-    """The evaluation rows: `counts[op]` distinct problems per kind of operation, wordings in turn."""
+def problems(seed: int = 0, instruction: str = WORD_PROBLEM_INSTRUCTION, counts: dict[str, int] = COUNTS) -> list[dict]:
+    """The evaluation rows: `counts[op]` distinct problems per kind of operation, wordings in turn, each asked under
+    `instruction` (the system message)."""
     rng = random.Random(f"new_wording:{seed}")
     rows: list[dict] = []
     for op, count in counts.items():
@@ -185,7 +189,7 @@ def problems(seed: int = 0, counts: dict[str, int] = COUNTS) -> list[dict]:
                 raise AssertionError(f"{kind.text} over {numbers}: a step is not positive")
             rows.append({
                 "messages": [
-                    {"role": "system", "content": WORD_PROBLEM_INSTRUCTION},
+                    {"role": "system", "content": instruction},
                     {"role": "user", "content": kind.text.format(**numbers)},
                 ],
                 "answer": str(steps[-1]["result"]),
@@ -198,10 +202,13 @@ def problems(seed: int = 0, counts: dict[str, int] = COUNTS) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT}, or with --tool {TOOL_OUT}")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tool", action="store_true",
+                        help="ask under the python tool's instruction (builtin:word_problems with solutions: tool)")
     args = parser.parse_args()
-    rows = problems(args.seed)
+    args.out = args.out or (TOOL_OUT if args.tool else DEFAULT_OUT)
+    rows = problems(args.seed, WORD_PROBLEM_TOOL_INSTRUCTION if args.tool else WORD_PROBLEM_INSTRUCTION)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
     print(f"{len(rows)} problems ({', '.join(f'{n} {op}' for op, n in COUNTS.items())}) -> {args.out}")

@@ -1,12 +1,15 @@
 """sglang-router 0.3.2 in front of two real SGLang 0.5.23 CPU servers (`rollout.sglang.router`).
 
-One fleet for the module: two servers of the warm-started tiny model (launched by trustbatch's launcher) and the
-router over them (round robin, health checks every 2 s). In order:
+One fleet for the module: two servers of a tiny model warm-started on the arithmetic task's tool transcripts (launched
+by trustbatch's launcher) and the router over them (round robin, health checks every 2 s). In order:
 - generation through the router carries logprobs that match the trainer's and each completion's weight_version;
 - a weight update from disk, and one over gloo, reach both workers (each worker's /model_info version and its
   probe log-probabilities), because the client sends them to the workers the router lists: the router itself
   answers 404 to the weight-update routes (checked here too, so an sglang-router that starts forwarding them
   shows up);
+- tool episodes through the router: the training loop with the python tool (bubblewrap), each turn's `/generate`
+  with input ids landing on either worker, the tool outputs appended as tokens, the trainer's log-probabilities
+  matching the engine's on every model token, turn by turn;
 - the training loop through the router, with one worker SIGKILLed after the first step, finishes its steps:
   generation goes on through the router, and each later version goes to the worker that is left, from disk
   and over gloo (the group re-forms without the dead worker); the worker is restarted between the two.
@@ -38,7 +41,7 @@ from app.rollout.sglang import SGLangClient, SGLangClientConfig, WeightSyncConfi
 from app.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess
 from app.rollout.weight_sync import DistributedWeightSync
 from app.training.loop import run
-from tests.integration.conftest import tiny_model_dir  # noqa: F401 - the bootstrapped tiny model fixture
+from tests.integration.conftest import TOOL_DATA, tool_model_dir  # noqa: F401 - the session's tool model
 from tests.integration.test_loop import small_overrides
 from tests.sglang.conftest import REPO, SGLANG_PYTHON, load_model, sglang_env_missing, worst_logprob_gap
 
@@ -65,7 +68,7 @@ class Fleet:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory, tiny_model_dir):  # noqa: F811
+def fleet(tmp_path_factory, tool_model_dir):  # noqa: F811
     if sglang_env_missing():
         pytest.fail(f"CI must run the real-SGLang tests: {sglang_env_missing()}")
     logs = tmp_path_factory.mktemp("router")
@@ -73,7 +76,7 @@ def fleet(tmp_path_factory, tiny_model_dir):  # noqa: F811
                                 startup_timeout_s=READY_S)  # fmt: skip
     # The router starts first (it registers workers as they come up, retrying every few seconds), so its own
     # start-up overlaps theirs.
-    servers = [SGLangServerProcess(tiny_model_dir, launch, index=i, log_path=logs / f"sglang-{i}.log") for i in (0, 1)]
+    servers = [SGLangServerProcess(tool_model_dir, launch, index=i, log_path=logs / f"sglang-{i}.log") for i in (0, 1)]
     port, log = _free_port(), logs / "router.log"
     router = subprocess.Popen(
         [str(SGLANG_PYTHON), "-m", "sglang_router.launch_router", "--worker-urls", *[s.url for s in servers],
@@ -110,7 +113,7 @@ def _client(fleet: Fleet) -> SGLangClient:
     return SGLangClient(SGLangClientConfig(router=fleet.url, timeout_s=120.0, health_timeout_s=60.0))
 
 
-def test_generation_through_the_router_carries_logprobs_and_versions(fleet, tiny_model_dir):  # noqa: F811
+def test_generation_through_the_router_carries_logprobs_and_versions(fleet, tool_model_dir):  # noqa: F811
     async def main():
         async with _client(fleet) as client:
             await client.wait_healthy()
@@ -121,23 +124,23 @@ def test_generation_through_the_router_carries_logprobs_and_versions(fleet, tiny
     completions = asyncio.run(main())
     assert len(completions) == 16 and all(c.policy_version == 0 for c in completions)
     assert all(len(c.output_logprobs) == len(c.output_ids) > 0 for c in completions)
-    assert worst_logprob_gap(completions, load_model(tiny_model_dir)) < 1e-3
+    assert worst_logprob_gap(completions, load_model(tool_model_dir)) < 1e-3
 
 
-def test_updates_from_disk_and_over_gloo_reach_both_workers(fleet, tiny_model_dir, tmp_path):  # noqa: F811
-    model = load_model(tiny_model_dir)
+def test_updates_from_disk_and_over_gloo_reach_both_workers(fleet, tool_model_dir, tmp_path):  # noqa: F811
+    model = load_model(tool_model_dir)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(0.05 * torch.randn_like(param))
     moved = tmp_path / "moved"
-    shutil.copytree(tiny_model_dir, moved)
+    shutil.copytree(tool_model_dir, moved)
     model.save_pretrained(moved)  # the moved weights over the copy's
     # The router itself has no route for it: the reason the client goes to the workers.
     direct = httpx.post(f"{fleet.url}/update_weights_from_disk", json={"model_path": str(moved)}, timeout=30)
     assert direct.status_code == 404 and {fleet.version(u) for u in fleet.worker_urls} == {"0"}
 
     probe = [5, 6, 7, 8, 9, 10]
-    reference = {"moved": reference_logprobs(model, probe), "start": reference_logprobs(load_model(tiny_model_dir), probe)}
+    reference = {"moved": reference_logprobs(model, probe), "start": reference_logprobs(load_model(tool_model_dir), probe)}
 
     async def main():
         async with _client(fleet) as client:
@@ -146,7 +149,7 @@ def test_updates_from_disk_and_over_gloo_reach_both_workers(fleet, tiny_model_di
             after_disk = await client.score(probe)
             sync = await DistributedWeightSync.connect(client, WeightSyncConfig(method="distributed", backend="gloo"))
             try:
-                start = {k: v.clone() for k, v in load_model(tiny_model_dir).state_dict().items()}
+                start = {k: v.clone() for k, v in load_model(tool_model_dir).state_dict().items()}
                 await sync.push(start, 4)
             finally:
                 await sync.close()
@@ -163,9 +166,34 @@ def test_updates_from_disk_and_over_gloo_reach_both_workers(fleet, tiny_model_di
     assert all(c.policy_version == 4 for c in through_router)
 
 
+def test_tool_episodes_through_the_router_keep_the_engines_tokens(fleet, tool_model_dir, tmp_path):  # noqa: F811
+    asyncio.run(_reset(fleet, tool_model_dir))
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
+        *TOOL_DATA, f"run.dir={tmp_path / 'run'}", f"model.path={tool_model_dir}", "run.steps=2", "rollout.max_lag=0",
+        "rollout.prompts_per_step=8", "rollout.group_size=4", "trainer.micro_batch_size=32",
+        "rollout.max_new_tokens=24", "rollout.max_total_tokens=64", "rollout.max_turns=3",
+        "tools=[{name: python, tasks: [math], params: {backend: bwrap}}]", "sandbox.backend=bwrap",
+        "eval.every=0", "eval.greedy=false", "eval.samples_per_prompt=1", "checkpoint.every=0",
+        "rollout.engine=sglang", f"rollout.sglang.router={fleet.url}", "rollout.sglang.health_timeout_s=60",
+        "rollout.sglang.weight_sync.method=disk",
+    ])  # fmt: skip
+    summary = run(cfg)
+    assert summary["steps"] == 2 and summary["dropped_groups"] == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["tools/calls_per_trajectory"] > 0.5 and row["rollout/turns/mean"] > 1.5
+        # SGLang sampled every model token, on whichever worker the router chose for the turn; the trainer scores
+        # them within float32 kernel differences, turn by turn.
+        assert row["loss/logprob_gap_turn/0"] < 1e-3 and row["loss/logprob_gap_turn/1"] < 1e-3
+        assert row["rollout/policy_lag/max"] == 0 and row["weights/probe_gap"] < 1e-3
+    sampled = [json.loads(line) for line in (tmp_path / "run" / "eval" / "step-000002-sampled.jsonl").read_text().splitlines()]
+    assert any(s["tool_calls"] and "```output" in s["transcript"] for s in sampled)
+    assert {fleet.version(u) for u in fleet.worker_urls} == {"2"}  # both workers took every version
+
+
 @pytest.mark.parametrize("method", ["disk", "distributed"])
 def test_training_through_the_router_survives_a_worker_killed_behind_it(
-    fleet, tiny_model_dir, tmp_path, caplog, method  # noqa: F811
+    fleet, tool_model_dir, tmp_path, caplog, method  # noqa: F811
 ):
     """distributed: the group of both workers ends when one dies, and a new one forms with the one left."""
     victim = fleet.servers[1]
@@ -177,9 +205,9 @@ def test_training_through_the_router_survives_a_worker_killed_behind_it(
             assert time.monotonic() < deadline, "the router did not take the restarted worker back"
             time.sleep(0.5)
     # Earlier tests left other versions on the workers; the run starts from the model at version 0.
-    asyncio.run(_reset(fleet, tiny_model_dir))
+    asyncio.run(_reset(fleet, tool_model_dir))
     cfg = load_config(REPO / "configs" / "quickstart.yaml", small_overrides(
-        tmp_path, tiny_model_dir, "run.steps=4", "eval.every=0", "eval.greedy=false", "eval.num_prompts=8",
+        tmp_path, tool_model_dir, "run.steps=4", "eval.every=0", "eval.greedy=false", "eval.num_prompts=8",
         "checkpoint.every=0", "rollout.max_lag=1", "rollout.engine=sglang", f"rollout.sglang.router={fleet.url}",
         "rollout.sglang.health_timeout_s=60", f"rollout.sglang.weight_sync.method={method}",
         "rollout.sglang.weight_sync.backend=gloo",
