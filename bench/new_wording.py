@@ -200,6 +200,11 @@ def problems(seed: int = 0, instruction: str = WORD_PROBLEM_INSTRUCTION, counts:
     return rows
 
 
+def jsonl(rows: list[dict]) -> str:
+    """The rows as the committed files hold them: one JSON object per line."""
+    return "".join(json.dumps(row) + "\n" for row in rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT}, or with --tool {TOOL_OUT}")
@@ -210,7 +215,7 @@ def main() -> None:
     args.out = args.out or (TOOL_OUT if args.tool else DEFAULT_OUT)
     rows = problems(args.seed, WORD_PROBLEM_TOOL_INSTRUCTION if args.tool else WORD_PROBLEM_INSTRUCTION)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args.out.write_text(jsonl(rows))
     print(f"{len(rows)} problems ({', '.join(f'{n} {op}' for op, n in COUNTS.items())}) -> {args.out}")
 
 

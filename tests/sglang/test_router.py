@@ -41,8 +41,9 @@ from app.rollout.sglang import SGLangClient, SGLangClientConfig, WeightSyncConfi
 from app.rollout.sglang_server import SGLangLaunchConfig, SGLangServerProcess
 from app.rollout.weight_sync import DistributedWeightSync
 from app.training.loop import run
-from tests.integration.conftest import TOOL_DATA, tool_model_dir  # noqa: F401 - the session's tool model
+from tests.integration.conftest import tool_model_dir  # noqa: F401 - the session's tool model
 from tests.integration.test_loop import small_overrides
+from tests.integration.test_tool_rollouts import tool_config
 from tests.sglang.conftest import REPO, SGLANG_PYTHON, load_model, sglang_env_missing, worst_logprob_gap
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
@@ -168,15 +169,11 @@ def test_updates_from_disk_and_over_gloo_reach_both_workers(fleet, tool_model_di
 
 def test_tool_episodes_through_the_router_keep_the_engines_tokens(fleet, tool_model_dir, tmp_path):  # noqa: F811
     asyncio.run(_reset(fleet, tool_model_dir))
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        *TOOL_DATA, f"run.dir={tmp_path / 'run'}", f"model.path={tool_model_dir}", "run.steps=2", "rollout.max_lag=0",
-        "rollout.prompts_per_step=8", "rollout.group_size=4", "trainer.micro_batch_size=32",
-        "rollout.max_new_tokens=24", "rollout.max_total_tokens=64", "rollout.max_turns=3",
-        "tools=[{name: python, tasks: [math], params: {backend: bwrap}}]", "sandbox.backend=bwrap",
-        "eval.every=0", "eval.greedy=false", "eval.samples_per_prompt=1", "checkpoint.every=0",
+    cfg = tool_config(
+        tmp_path, tool_model_dir, "run.steps=2", "rollout.max_lag=0", "eval.greedy=false", "eval.samples_per_prompt=1",
         "rollout.engine=sglang", f"rollout.sglang.router={fleet.url}", "rollout.sglang.health_timeout_s=60",
         "rollout.sglang.weight_sync.method=disk",
-    ])  # fmt: skip
+    )  # fmt: skip
     summary = run(cfg)
     assert summary["steps"] == 2 and summary["dropped_groups"] == 0
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

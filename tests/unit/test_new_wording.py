@@ -3,17 +3,14 @@ the tool set asks the same problems under the python tool's instruction."""
 
 from __future__ import annotations
 
-import json
-
 from app.data import load_prompts
 from app.data.rows import WORD_PROBLEM_INSTRUCTION, WORD_PROBLEM_TOOL_INSTRUCTION
-from bench.new_wording import COUNTS, DEFAULT_OUT, TOOL_OUT, problems
+from bench.new_wording import COUNTS, DEFAULT_OUT, TOOL_OUT, jsonl, problems
 
 
 def test_the_committed_sets_are_the_generators_and_differ_only_in_the_instruction():
     text, tool = problems(0), problems(0, WORD_PROBLEM_TOOL_INSTRUCTION)
-    assert DEFAULT_OUT.read_text() == "".join(json.dumps(row) + "\n" for row in text)
-    assert TOOL_OUT.read_text() == "".join(json.dumps(row) + "\n" for row in tool)
+    assert DEFAULT_OUT.read_text() == jsonl(text) and TOOL_OUT.read_text() == jsonl(tool)
     assert len(text) == len(tool) == sum(COUNTS.values())
     for a, b in zip(text, tool, strict=True):
         assert a["messages"][0] == {"role": "system", "content": WORD_PROBLEM_INSTRUCTION}
