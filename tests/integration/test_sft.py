@@ -121,30 +121,52 @@ def test_two_ranks_with_fsdp2_give_the_one_process_losses(tiny_model_dir, tmp_pa
         assert two[key] == pytest.approx(one[key], rel=1e-4), key
 
 
+# The two SmolLM2 pipelines of docs/real-models.md and docs/tools.md: (SFT config, RL config, SFT extras, RL extras).
+# The tool pipeline's SFT takes 6 steps at a high step size so that its model writes programs: the RL steps then run
+# them in the real sandbox (Docker, else bubblewrap) and the test counts the calls. The SFT's own held-out evaluation
+# (sft.verify) is off: it is tests/integration/test_sft.py's first test, and here it would launch one more server.
+PIPELINES = {
+    "text": ("smollm2-sft.yaml", "smollm2-math.yaml", ["sft.steps=2"], ["rollout.max_new_tokens=32"]),
+    "tools": ("smollm2-tools-sft.yaml", "smollm2-tools.yaml", ["sft.steps=6", "optim.lr=5e-4", "optim.warmup_steps=0"],
+              ["rollout.max_new_tokens=48"]),
+}
+
+
 @pytest.mark.slow
-def test_smollm2_sft_then_rl_from_its_output(smollm2_dir, tmp_path):
-    """configs/smollm2-sft.yaml for two steps, then configs/smollm2-math.yaml for two RL steps from the result."""
+@pytest.mark.parametrize("pipeline", list(PIPELINES))
+def test_smollm2_sft_then_rl_from_its_output(smollm2_dir, tmp_path, pipeline):
+    """The pipeline's SFT config for a few steps, then its RL config for two steps from the registered result."""
+    sft_file, rl_file, sft_extra, rl_extra = PIPELINES[pipeline]
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    sft_cfg = load_config(REPO / "configs" / "smollm2-sft.yaml", [
-        f"model.path={smollm2_dir}", f"run.dir={tmp_path / 'sft'}", f"tracking.uri={uri}", "sft.steps=2",
-        "sft.batch_size=4", "trainer.micro_batch_size=4", "data.num_train=16", "data.num_eval=2", "sft.num_eval=2",
-        "eval.num_prompts=2", "eval.samples_per_prompt=1", "run.threads=1",
+    sft_cfg = load_config(REPO / "configs" / sft_file, [
+        f"model.path={smollm2_dir}", f"run.dir={tmp_path / 'sft'}", f"tracking.uri={uri}", *sft_extra,
+        "sft.batch_size=4", "trainer.micro_batch_size=4", "data.num_train=32", "data.num_eval=2", "sft.num_eval=2",
+        "sft.verify=false", "run.threads=1",
     ])  # fmt: skip
     assert sft_cfg.data.train == "builtin:word_problems"
     summary = run_sft(sft_cfg)
-    assert summary["steps"] == 2 and summary["model_ref"].startswith("models:/smollm2-sft/")
-    assert summary["train_loss_first"] > 0 and summary["eval_prompts"] == 2
-    rl = load_config(REPO / "configs" / "smollm2-math.yaml", [
+    steps = sft_cfg.sft.steps
+    assert summary["steps"] == steps and summary["model_ref"].startswith(f"models:/{sft_cfg.run.name}/")
+    assert summary["train_loss_first"] > 0
+    if pipeline == "tools":  # six steps at 5e-4 on transcripts of one shape
+        assert summary["train_loss_last"] < summary["train_loss_first"]
+    rl = load_config(REPO / "configs" / rl_file, [
         f"model.path={summary['model_ref']}", f"run.dir={tmp_path / 'rl'}", f"tracking.uri={uri}", "run.steps=2",
         "run.time_limit_s=0", "data.num_train=8", "data.num_eval=2", "rollout.prompts_per_step=2",
         "rollout.group_size=4", "trainer.micro_batch_size=8", "eval.num_prompts=2", "eval.samples_per_prompt=1",
-        "checkpoint.every=2", "rollout.max_new_tokens=32", "tracking.log_model=false",
+        "checkpoint.every=2", "tracking.log_model=false", *rl_extra,
     ])  # fmt: skip
-    assert rl.objective.name == "ess"
+    assert rl.objective.name == "ess" and rl.rollout.max_lag == 1
     rl_summary = run(rl)
     assert rl_summary["steps"] == 2
     rows = [json.loads(line) for line in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines() if line]
     assert [int(r["step"]) for r in rows] == [1, 2] and all(r["rollout/samples"] == 8 for r in rows)
+    if pipeline == "tools":  # the SFT model writes programs, and the sandbox ran them
+        assert [t.name for t in rl.tools] == ["python"]
+        assert all(r["tools/calls_per_trajectory"] > 0.5 and r["rollout/turns/mean"] > 1.5 for r in rows), rows
+        assert all(r["tools/timeout_rate"] == 0 for r in rows)
+    else:
+        assert "tools/calls_per_trajectory" not in rows[0]
 
 
 def test_filter_prompts_keeps_the_prompts_in_the_pass_rate_band(tiny_model_dir, tmp_path):
