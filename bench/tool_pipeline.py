@@ -122,7 +122,8 @@ def describe(completion: dict) -> str:
     verdict = "right" if completion.get("correct") else "wrong"
     if not programs:
         return f"(no program) {transcript[:160]!r} [{verdict}]"
-    parts = [f"`{p}` → {o!r}" for p, o in zip(programs, outputs + [None] * len(programs))]
+    padded = (outputs + [None] * len(programs))[: len(programs)]
+    parts = [f"`{p}` → {o!r}" for p, o in zip(programs, padded, strict=True)]
     return " ; ".join(parts) + f" → boxed {boxed[-1] if boxed else None} [{verdict}]"
 
 
