@@ -87,7 +87,7 @@ def analyse(data: dict) -> dict:
     return {
         "settings": data.get("settings"),
         "model": (data.get("model") or {}).get("ref"),
-        "accuracy": {k: {"mean": _mean(v), "se": _se(v), "problems": len(v)} for k, v in per_kind.items()},
+        "accuracy": {k: {"mean": mean(v), "se": se(v), "problems": len(v)} for k, v in per_kind.items()},
         "statements": {op: dict(counts) for op, counts in sorted(histogram.items())},
         "per_problem": per_problem,
     }
@@ -101,18 +101,18 @@ def paired(before: dict, after: dict) -> dict[str, dict]:
             d = acc - before["per_problem"][pid][1]
             diffs[kind].append(d)
             diffs["all"].append(d)
-    return {k: {"mean": _mean(v), "se": _se(v), "problems": len(v)} for k, v in diffs.items()}
+    return {k: {"mean": mean(v), "se": se(v), "problems": len(v)} for k, v in diffs.items()}
 
 
-def _mean(values: list[float]) -> float:
+def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _se(values: list[float]) -> float:
+def se(values: list[float]) -> float:
     n = len(values)
     if n < 2:
         return float("nan")
-    m = _mean(values)
+    m = mean(values)
     return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
 
 

@@ -26,26 +26,19 @@ import argparse
 import json
 import math
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.arithmetic_errors import mean, se  # noqa: E402
 
 
 def per_problem(path: Path) -> dict[str, float]:
     """Problem id -> fraction of its samples judged right."""
     data = json.loads(Path(path).read_text())
     return {p["id"]: p["correct"] / p["samples"] for p in data["prompts"] if p["samples"]}
-
-
-def mean(values: list[float]) -> float:
-    return sum(values) / len(values) if values else float("nan")
-
-
-def se(values: list[float]) -> float:
-    n = len(values)
-    if n < 2:
-        return float("nan")
-    m = mean(values)
-    return math.sqrt(sum((v - m) ** 2 for v in values) / (n - 1) / n)
 
 
 def split_label(label: str) -> tuple[str, str]:
