@@ -16,14 +16,13 @@ training; `metadata` names the template and its number of operations.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from app.data.tasks.word_problems import WordProblemsConfig, word_problem_prompts  # noqa: E402
-from bench.new_wording import DATA, jsonl  # noqa: E402
+from bench.new_wording import DATA, write_set  # noqa: E402
 
 DEFAULT_OUT = DATA / "word_problems_3_4_ops.jsonl"
 TOOL_OUT = DATA / "word_problems_3_4_ops_tool.jsonl"
@@ -49,19 +48,9 @@ def problems(seed: int = 0, tool: bool = False, count: int = COUNT) -> list[dict
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT}, or with --tool {TOOL_OUT}")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tool", action="store_true",
-                        help="ask under the python tool's instruction (builtin:word_problems with solutions: tool)")
-    args = parser.parse_args()
-    args.out = args.out or (TOOL_OUT if args.tool else DEFAULT_OUT)
-    rows = problems(args.seed, args.tool)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(jsonl(rows))
+    rows = write_set(__doc__, DEFAULT_OUT, TOOL_OUT, problems)
     ops = {n: sum(r["metadata"]["num_ops"] == n for r in rows) for n in (3, 4)}
-    print(f"{len(rows)} problems ({ops[3]} of three operations, {ops[4]} of four) -> {args.out}")
-
+    print(f"  {ops[3]} of three operations, {ops[4]} of four")
 
 if __name__ == "__main__":
     main()

@@ -205,19 +205,28 @@ def jsonl(rows: list[dict]) -> str:
     return "".join(json.dumps(row) + "\n" for row in rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, help=f"default {DEFAULT_OUT}, or with --tool {TOOL_OUT}")
+def write_set(doc: str, default_out: Path, tool_out: Path, build: Callable[[int, bool], list[dict]]) -> list[dict]:
+    """The command line of an evaluation-set script (--out, --seed, --tool): build(seed, tool) written as JSONL
+    to --out (default: `default_out`, or `tool_out` with --tool); returns the rows."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help=f"default {default_out}, or with --tool {tool_out}")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tool", action="store_true",
                         help="ask under the python tool's instruction (builtin:word_problems with solutions: tool)")
     args = parser.parse_args()
-    args.out = args.out or (TOOL_OUT if args.tool else DEFAULT_OUT)
-    rows = problems(args.seed, WORD_PROBLEM_TOOL_INSTRUCTION if args.tool else WORD_PROBLEM_INSTRUCTION)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(jsonl(rows))
-    print(f"{len(rows)} problems ({', '.join(f'{n} {op}' for op, n in COUNTS.items())}) -> {args.out}")
+    out = args.out or (tool_out if args.tool else default_out)
+    rows = build(args.seed, args.tool)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(jsonl(rows))
+    print(f"{len(rows)} problems -> {out}")
+    return rows
 
+
+def main() -> None:
+    rows = write_set(__doc__, DEFAULT_OUT, TOOL_OUT, lambda seed, tool: problems(
+        seed, WORD_PROBLEM_TOOL_INSTRUCTION if tool else WORD_PROBLEM_INSTRUCTION))
+    counts = {op: sum(row["metadata"]["op"] == op for row in rows) for op in COUNTS}
+    print("  " + ", ".join(f"{n} {op}" for op, n in counts.items()))
 
 if __name__ == "__main__":
     main()
