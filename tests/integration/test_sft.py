@@ -141,7 +141,7 @@ def test_smollm2_sft_then_rl_from_its_output(smollm2_dir, tmp_path, pipeline):
     sft_cfg = load_config(REPO / "configs" / sft_file, [
         f"model.path={smollm2_dir}", f"run.dir={tmp_path / 'sft'}", f"tracking.uri={uri}", *sft_extra,
         "sft.batch_size=4", "trainer.micro_batch_size=4", "data.num_train=32", "data.num_eval=2", "sft.num_eval=2",
-        "sft.verify=false", "run.threads=1",
+        "eval.num_prompts=2", "sft.verify=false", "run.threads=1",
     ])  # fmt: skip
     assert sft_cfg.data.train == "builtin:word_problems"
     summary = run_sft(sft_cfg)
