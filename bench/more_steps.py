@@ -52,5 +52,6 @@ def main() -> None:
     ops = {n: sum(r["metadata"]["num_ops"] == n for r in rows) for n in (3, 4)}
     print(f"  {ops[3]} of three operations, {ops[4]} of four")
 
+
 if __name__ == "__main__":
     main()

@@ -228,5 +228,6 @@ def main() -> None:
     counts = {op: sum(row["metadata"]["op"] == op for row in rows) for op in COUNTS}
     print("  " + ", ".join(f"{n} {op}" for op, n in counts.items()))
 
+
 if __name__ == "__main__":
     main()

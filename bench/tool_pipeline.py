@@ -106,12 +106,21 @@ _OUTPUT = re.compile(r"```output\n(.*?)```", re.S)
 _PROGRAM = re.compile(r"```python\n(.*?)```", re.S)
 
 
+def question(prompt: dict) -> str:
+    """The problem as the model read it: the last message, or the plain prompt."""
+    return prompt["messages"][-1]["content"] if prompt.get("messages") else prompt.get("prompt", "")
+
+
+def pieces(completion: dict) -> tuple[str, list[str], list[str], list[str]]:
+    """(transcript, programs, outputs, boxed answers) of one completion, the last three stripped, in order."""
+    transcript = completion.get("transcript") or completion.get("text", "")
+    return transcript, *([x.strip() for x in pattern.findall(transcript)] for pattern in (_PROGRAM, _OUTPUT, _BOXED))
+
+
 def describe(completion: dict) -> str:
     """One completion as `program -> output -> boxed (right|wrong)`, or its text when it wrote no program."""
-    transcript = completion.get("transcript") or completion.get("text", "")
-    programs = [p.strip().replace("\n", "; ") for p in _PROGRAM.findall(transcript)]
-    outputs = [o.strip() for o in _OUTPUT.findall(transcript)]
-    boxed = _BOXED.findall(transcript)
+    transcript, programs, outputs, boxed = pieces(completion)
+    programs = [p.replace("\n", "; ") for p in programs]
     verdict = "right" if completion.get("correct") else "wrong"
     if not programs:
         return f"(no program) {transcript[:160]!r} [{verdict}]"
@@ -126,19 +135,16 @@ def audit(path: Path) -> dict[str, float]:
     answers that box a number copied from the problem with no program run (a reward that costs nothing)."""
     counts = defaultdict(int)
     for prompt in json.loads(Path(path).read_text())["prompts"]:
-        question = prompt["messages"][-1]["content"] if prompt.get("messages") else prompt.get("prompt", "")
-        stated = set(re.findall(r"\d+", question))
+        stated = set(re.findall(r"\d+", question(prompt)))
         for completion in prompt["completions"]:
-            transcript = completion.get("transcript") or completion.get("text", "")
-            programs, outputs = _PROGRAM.findall(transcript), _OUTPUT.findall(transcript)
-            boxed = _BOXED.findall(transcript)
+            _, programs, outputs, boxed = pieces(completion)
             counts["answers"] += 1
             counts["programs"] += len(programs)
             counts["several calls"] += len(programs) > 1
             counts["no program"] += not programs
-            counts["boxed other than printed"] += bool(boxed and outputs and boxed[-1].strip() != outputs[-1].strip())
+            counts["boxed other than printed"] += bool(boxed and outputs and boxed[-1] != outputs[-1])
             counts["right, copied, no program"] += bool(completion.get("correct") and not programs and boxed
-                                                        and boxed[-1].strip() in stated)
+                                                        and boxed[-1] in stated)
             counts["right"] += bool(completion.get("correct"))
     n = counts.pop("answers")
     return {"answers": n, **{k: v / n for k, v in counts.items()}}
@@ -151,8 +157,7 @@ def print_transcripts(before: Path, after: Path, n: int, stride: int = 1) -> Non
         other = b_by_id.get(prompt["id"])
         if other is None:
             continue
-        question = prompt["messages"][-1]["content"] if prompt.get("messages") else prompt.get("prompt", "")
-        print(f"- *{question}* (answer {prompt['answer']})")
+        print(f"- *{question(prompt)}* (answer {prompt['answer']})")
         print(f"  - before: {describe(prompt['completions'][0])}")
         print(f"  - after:  {describe(other['completions'][0])}")
 
