@@ -1,5 +1,7 @@
 """The built-in word_problems task: GSM8K-style chat rows, disjoint splits, exact answers, the math verifier."""
 
+import contextlib
+import io
 import json
 import re
 from collections import Counter
@@ -390,3 +392,60 @@ def test_the_configs_format_pattern_refuses_box_spam_and_long_repetition_loops()
     verify = build_verifier("format", **dict(spec.params))
     for spam in ("\\boxed{1} " * 6000, "\\boxed{1" * 8000, "\\boxed{1} " + "x" * 60000 + " \\boxed{2}"):
         assert verify(VerifierInput("q", spam, "1", {"task": "math"})).reward == 0.0
+
+
+TRANSCRIPT = re.compile(r"```python\n(?P<program>.*?)\n```\n```output\n(?P<output>-?\d+)\n```\n\\boxed\{(?P<boxed>-?\d+)\}", re.S)
+
+
+@pytest.mark.parametrize("solutions", ["tool", "tool_story"])
+def test_tool_transcripts_print_the_answer_in_every_template(solutions):
+    """Each row's program, run, prints its answer, and the output block and box say the same (both tool formats,
+    every template, both orders of an `either_order` story); the programs are trustbatch's own, so `exec` runs
+    them here."""
+    rows = word_problem_prompts(WordProblemsConfig(min_ops=1, solutions=solutions), "train", 1600)
+    assert {r.metadata["template"] for r in rows} == set(WORD_PROBLEM_TEMPLATES)
+    for row in rows:
+        assert row.messages[0]["content"] != WORD_PROBLEM_INSTRUCTION  # the instruction to use the tool
+        match = TRANSCRIPT.fullmatch(row.completion)
+        assert match, row.completion
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            exec(match["program"], {})
+        assert printed.getvalue() == f"{row.answer}\n" and match["output"] == match["boxed"] == row.answer, row
+
+
+def test_a_story_program_follows_the_story_line_by_line():
+    """tool_story: each number the answer needs appears once in the program and no distractor's number does; where
+    a story states two groups in either order, the program takes them in the story's order (a swapped story swaps
+    its program's lines); the state is named after the story's words."""
+    rows = word_problem_prompts(WordProblemsConfig(min_ops=1, solutions="tool_story"), "train", 1600)
+    swapped = 0
+    for row in rows:
+        program = TRANSCRIPT.fullmatch(row.completion)["program"]
+        spec = WORD_PROBLEM_TEMPLATES[row.metadata["template"]]
+        story, _, question = user_text(row).rpartition(". ")
+        sentences = [s for s in re.split(r"(?<=\.) ", story + ".") if "{n}" not in s]
+        needed = [s for s in sentences if not any(_is_distractor(s, d) for d in spec.distractors)]
+        stated = [int(n) for n in NUMBER.findall(" ".join(needed) + " " + question)]
+        in_program = [int(n) for n in NUMBER.findall(program)]
+        assert Counter(in_program) == Counter(stated), (user_text(row), program)
+        if spec.either_order is not None:
+            assert in_program == stated, (user_text(row), program)
+            numbers, (first, second) = row.metadata["numbers"], spec.either_order
+            a, b = numbers[first[0]], numbers[second[0]]
+            swapped += a != b and stated.index(a) > stated.index(b)
+    assert swapped > 0
+    packs = next(r for r in rows if r.metadata["template"] == "more")
+    goods = next(g for g in ("notebooks", "pens", "apples", "sandwiches", "candles", "toy cars", "bags of rice",
+                             "T-shirts") if g in user_text(packs))  # fmt: skip
+    assert TRANSCRIPT.fullmatch(packs.completion)["program"].startswith(re.sub(r"\W+", "_", goods.lower()) + " = ")
+
+
+def _is_distractor(sentence: str, distractor: str) -> bool:
+    pattern = re.escape(distractor).replace(r"\{n\}", r"\d+")
+    return re.fullmatch(re.sub(r"\\\{\w+\\\}", r".+", pattern), sentence) is not None
+
+
+def test_an_unknown_solution_format_names_the_choices():
+    with pytest.raises(ValueError, match=r"data\.word_problems\.solutions='program': choose text, tool or tool_story"):
+        WordProblemsConfig(solutions="program")

@@ -8,6 +8,7 @@ one function, `WordProblemTemplate.render`, fills in. Each also states its worke
 from __future__ import annotations
 
 import random
+import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,13 +20,16 @@ Numbers = dict[str, int]
 
 
 class _Wording(string.Formatter):
-    """`str.format` plus pluralized units: `{t:hour}` -> "1 hour" / "3 hours", `{t:year}` -> "1 year" / "2 years"."""
+    """`str.format` plus pluralized units: `{t:hour}` -> "1 hour" / "3 hours", `{t:year}` -> "1 year" / "2 years";
+    and `{goods:var}`, a word as a Python name: "toy cars" -> ``toy_cars``, "Ava" -> ``ava``."""
 
     UNITS = ("hour", "year")
 
     def format_field(self, value: Any, format_spec: str) -> str:
         if format_spec in self.UNITS:
             return f"{value} {format_spec}" if value == 1 else f"{value} {format_spec}s"
+        if format_spec == "var":
+            return re.sub(r"[^a-z0-9]+", "_", str(value).lower()).strip("_")
         return super().format_field(value, format_spec)
 
 
@@ -98,10 +102,17 @@ class WordProblemTemplate:
     steps: tuple[str, ...] = ()
     """The worked solution, one operation per step: ``"name = left op right"`` with op one of + - * / and each
     operand a stated number or an earlier step; the last step is the answer. One step per operation (``ops``)."""
+    program: tuple[str, ...] = ()
+    """The solution as a program that follows the story (`story_worked`): one or two lines per sentence that
+    states a number the answer needs, in the story's order, naming what each computes after the story's own words
+    (``{goods:var} = {a}``, then ``{goods:var} = {goods:var} + {b}``), and last a ``print(...)`` of the answer:
+    format strings over the numbers as the story shows them and the words."""
 
     def __post_init__(self) -> None:
         if len(self.steps) != self.ops:
             raise ValueError(f"word problem template {self.name!r}: {len(self.steps)} steps for {self.ops} operations")
+        if not self.program or not self.program[-1].startswith("print("):
+            raise ValueError(f"word problem template {self.name!r}: its program must end in a print(...) line")
 
     def worked(self, numbers: Numbers) -> tuple[str, int]:
         """The worked solution of a problem and its answer: each step as ``3 × 5 = 15.``, then ``\\boxed{answer}``.
@@ -151,8 +162,30 @@ class WordProblemTemplate:
         fenced = FencedFormat()
         return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}", answer
 
-    def render(self, rng: random.Random, numbers: Numbers) -> tuple[list[str], str, dict[str, Any]]:
-        """(rng, stated numbers) -> (story sentences, question, words for the distractors' blanks).
+    def story_worked(self, values: dict[str, Any], answer: int) -> str:
+        """The solution as a tool-use transcript whose program follows the story (`program`), for the problem
+        whose numbers as shown and words are `values` (what `render` returns); the output block and the boxed
+        answer as in `tool_worked`::
+
+            ```python
+            toy_cars = 12
+            toy_cars = toy_cars + 5
+            print(toy_cars)
+            ```
+            ```output
+            17
+            ```
+            \\boxed{17}
+        """
+        program = "\n".join(_fill(line, values) for line in self.program)
+        fenced = FencedFormat()
+        return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
+
+    def render(
+        self, rng: random.Random, numbers: Numbers
+    ) -> tuple[list[str], str, dict[str, Any], dict[str, Any]]:
+        """(rng, stated numbers) -> (story sentences, question, words for the distractors' blanks, the values the
+        wording was filled with: the numbers as shown and the words, what `story_worked` needs).
 
         Draws the words (in `words` order), then the order of `either_order`, then fills in the wording."""
         words: dict[str, Any] = {}
@@ -164,7 +197,7 @@ class WordProblemTemplate:
             first, second = self.either_order
             shown.update(zip(first + second, [numbers[k] for k in second + first], strict=True))
         values = {**shown, **words}
-        return [_fill(sentence, values) for sentence in self.story], _fill(self.question, values), words
+        return [_fill(sentence, values) for sentence in self.story], _fill(self.question, values), words, values
 
 
 _NAMES = (
@@ -214,6 +247,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
     for t in (
         WordProblemTemplate(
             "more", 1, {"a": range(2, 41), "b": range(2, 41)}, steps=("z = a + b",),
+            program=("{goods:var} = {a}", "{goods:var} = {goods:var} + {b}", "print({goods:var})"),
             numbers=_same, solve=lambda s: s["a"] + s["b"],
             words=(_NAME, Draw("goods", _GOODS)),
             story=("{name} has {a} {goods}.", "{name} buys {b} more {goods}."),
@@ -222,6 +256,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "fewer", 1, {"a": range(3, 61), "b": range(2, 41)}, steps=("z = a - b",),
+            program=("{goods:var} = {a}", "{goods:var} = {goods:var} - {b}", "print({goods:var})"),
             numbers=_same, solve=lambda s: s["a"] - s["b"], valid=lambda p: p["a"] > p["b"],
             words=(_NAME, Draw("goods", _GOODS)),
             story=("{name} has {a} {goods}.", "{name} gives {b} of them to a friend."),
@@ -230,6 +265,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "packs", 1, {"packs": range(2, 13), "each": range(2, 13)}, steps=("z = packs * each",),
+            program=("{goods:var} = {packs} * {each}", "print({goods:var})"),
             numbers=_same, solve=lambda s: s["packs"] * s["each"],
             words=(_NAME, Draw("goods", _GOODS)),
             story=("{name} buys {packs} packs of {goods} with {each} {goods} in each pack.",),
@@ -238,6 +274,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         ),
         WordProblemTemplate(
             "share", 1, {"friends": range(2, 11), "each": range(2, 16)}, steps=("z = total / friends",),
+            program=("each = {total} // {friends}", "print(each)"),
             numbers=lambda p: {"total": p["friends"] * p["each"], "friends": p["friends"]},
             solve=lambda s: s["total"] // s["friends"],
             words=(_NAME, Draw("goods", _GOODS)),
@@ -248,6 +285,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "unit_price", 2, {"n": range(2, 11), "unit": range(2, 26), "m": range(2, 16)},
             steps=("u = total / n", "x = u * m"),
+            program=("price = {total} // {n}", "print(price * {m})"),
             numbers=lambda p: {"n": p["n"], "total": p["n"] * p["unit"], "m": p["m"]},
             solve=lambda s: s["total"] // s["n"] * s["m"], valid=lambda p: p["m"] != p["n"],
             words=(_NAME, Draw("packs", ("packs of stickers", "boxes of tea", "bottles of juice", "rolls of tape"))),
@@ -258,6 +296,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "work_rate", 2, {"rate": range(3, 61), "hours": range(2, 11), "days": range(2, 8)},
             steps=("d = rate * hours", "x = d * days"),
+            program=("per_hour = {rate}", "per_day = per_hour * {hours}", "print(per_day * {days})"),
             numbers=_same, solve=lambda s: s["rate"] * s["hours"] * s["days"],
             words=(Draw("machine product", (("machine", "toys"), ("printer", "posters"), ("bakery oven", "loaves"))),),
             story=("A {machine} makes {rate} {product} per hour.", "It runs for {hours:hour} each day."),
@@ -272,6 +311,11 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "shopping", 3, {"a": range(2, 10), "p": range(2, 16), "b": range(2, 10), "q": range(2, 16)},
             steps=("x = a * p", "y = b * q", "z = x + y"),
+            program=(
+                "{first:var} = {a} * {p}",
+                "{second:var} = {b} * {q}",
+                "print({first:var} + {second:var})",
+            ),
             numbers=_same, solve=_cost, valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]),
             words=(_NAME, Draw("first second", _GOODS, distinct=True)), either_order=(("a", "p"), ("b", "q")),
             story=(_BUYS,), question="How many dollars does {name} spend in total?",
@@ -281,6 +325,12 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "shopping_change", 4,
             {"a": range(2, 7), "p": range(2, 13), "b": range(2, 7), "q": range(2, 13), "paid": range(20, 101, 10)},
             steps=("x = a * p", "y = b * q", "c = x + y", "z = paid - c"),
+            program=(
+                "{first:var} = {a} * {p}",
+                "{second:var} = {b} * {q}",
+                "change = {paid} - {first:var} - {second:var}",
+                "print(change)",
+            ),
             numbers=_same, solve=lambda s: s["paid"] - _cost(s),
             valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]) and _cost(p) < p["paid"],
             words=(_NAME, Draw("first second", _GOODS, distinct=True)), either_order=(("a", "p"), ("b", "q")),
@@ -290,6 +340,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "travel", 3, {"v": range(30, 91, 5), "t1": range(1, 7), "w": range(30, 91, 5), "t2": range(1, 7)},
             steps=("x = v * t1", "y = w * t2", "z = x + y"),
+            program=("first = {v} * {t1}", "then = {w} * {t2}", "print(first + then)"),
             numbers=_same, solve=_driven, valid=lambda p: p["v"] < p["w"],
             words=(Draw("vehicle", ("train", "bus", "truck", "ferry")),), either_order=(("v", "t1"), ("w", "t2")),
             story=("A {vehicle} travels " + _LEGS,), question="How many kilometres does the {vehicle} travel in all?",
@@ -302,6 +353,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
                 "left": range(15, 196, 15),
             },
             steps=("x = v * t1", "y = w * t2", "d = x + y", "z = distance - d"),
+            program=("km = {distance}", "first = {v} * {t1}", "then = {w} * {t2}", "print(km - first - then)"),
             numbers=lambda p: {"distance": _driven(p) + p["left"], **{k: p[k] for k in ("v", "t1", "w", "t2")}},
             solve=lambda s: s["distance"] - _driven(s), valid=lambda p: p["v"] < p["w"],
             words=(_NAME,), fixed={"vehicle": "car"}, either_order=(("v", "t1"), ("w", "t2")),
@@ -313,6 +365,12 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "sharing", 3,
             {"trays": range(2, 10), "per_tray": range(4, 16), "kept": range(1, 21), "friends": range(2, 10)},
             steps=("t = trays * per_tray", "r = t - kept", "z = r / friends"),
+            program=(
+                "{food:var} = {trays} * {per_tray}",
+                "{food:var} = {food:var} - {kept}",
+                "each = {food:var} // {friends}",
+                "print(each)",
+            ),
             numbers=_same, solve=lambda s: (s["trays"] * s["per_tray"] - s["kept"]) // s["friends"],
             valid=lambda p: (
                 p["trays"] * p["per_tray"] > p["kept"] and (p["trays"] * p["per_tray"] - p["kept"]) % p["friends"] == 0
@@ -334,6 +392,12 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "savings", 3,
             {"start": range(10, 101, 10), "weekly": range(3, 21), "weeks": range(2, 13), "spent": range(10, 81, 10)},
             steps=("s = weekly * weeks", "h = start + s", "z = h - spent"),
+            program=(
+                "dollars = {start}",
+                "dollars = dollars + {weekly} * {weeks}",
+                "dollars = dollars - {spent}",
+                "print(dollars)",
+            ),
             numbers=_same, solve=lambda s: s["start"] + s["weekly"] * s["weeks"] - s["spent"],
             valid=lambda p: p["start"] + p["weekly"] * p["weeks"] > p["spent"],
             words=(_NAME, Draw("item", ("book", "kite", "board game", "scarf"))),
@@ -349,6 +413,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "savings_goal", 3,
             {"start": range(5, 51, 5), "gift": range(5, 41, 5), "weekly": range(2, 16), "weeks": range(2, 13)},
             steps=("h = start + gift", "r = price - h", "z = r / weekly"),
+            program=("price = {price}", "price = price - {start} - {gift}", "print(price // {weekly})"),
             numbers=lambda p: {
                 "price": p["start"] + p["gift"] + p["weekly"] * p["weeks"],
                 **{k: p[k] for k in ("start", "gift", "weekly")},
@@ -367,6 +432,11 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "recipe", 3,
             {"serves": range(2, 7), "per_person": range(10, 61, 5), "guests": range(2, 13), "has": range(10, 201, 10)},
             steps=("g = grams / serves", "t = g * guests", "z = t - has"),
+            program=(
+                "per_person = {grams} // {serves}",
+                "needed = per_person * {guests} - {has}",
+                "print(needed)",
+            ),
             numbers=lambda p: {
                 "serves": p["serves"], "grams": p["serves"] * p["per_person"], "guests": p["guests"], "has": p["has"],
             },
@@ -388,6 +458,12 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "ages", 3, {"age": range(3, 17), "older": range(1, 10), "times": range(2, 6), "later": range(1, 21)},
             steps=("c = age + older", "o = times * c", "z = o + later"),
+            program=(
+                "{child:var} = {age}",
+                "{cousin:var} = {child:var} + {older}",
+                "{neighbour:var} = {times} * {cousin:var}",
+                "print({neighbour:var} + {later})",
+            ),
             numbers=_same, solve=lambda s: s["times"] * (s["age"] + s["older"]) + s["later"],
             valid=lambda p: 20 <= p["times"] * (p["age"] + p["older"]) <= 80,
             words=(Draw("child cousin neighbour", _NAMES, distinct=True),),
@@ -411,6 +487,12 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
                 "delivered": range(10, 51, 10),
             },
             steps=("t = boxes * per_box", "a = t - sold1", "b = a - sold2", "z = b + delivered"),
+            program=(
+                "{goods:var} = {boxes} * {per_box}",
+                "{goods:var} = {goods:var} - {sold1} - {sold2}",
+                "{goods:var} = {goods:var} + {delivered}",
+                "print({goods:var})",
+            ),
             numbers=_same, solve=lambda s: s["boxes"] * s["per_box"] - s["sold1"] - s["sold2"] + s["delivered"],
             valid=lambda p: p["sold1"] < p["sold2"] and p["boxes"] * p["per_box"] > p["sold1"] + p["sold2"],
             words=(Draw("goods", ("pencils", "lemons", "batteries", "soaps")),), either_order=(("sold1",), ("sold2",)),

@@ -42,10 +42,13 @@ class WordProblemsConfig:
     seed: int = 0
     """Seed of the generator (which problems, their wording and distractors); the train/test assignment is a hash
     of each problem's template and numbers, so the splits never share a problem whatever the seed."""
-    solutions: Literal["text", "tool"] = "text"
+    solutions: Literal["text", "tool", "tool_story"] = "text"
     """The reply each row teaches (`completion`) and the instruction it is asked with: text, the steps worked by
     hand ("3 × 5 = 15. ... \\boxed{23}"); tool, a Python program that prints the answer, its output block and the
-    boxed answer (the fenced format of the python tool, docs/tools.md), under an instruction to use it."""
+    boxed answer (the fenced format of the python tool, docs/tools.md), under an instruction to use it: one line
+    per operation over the stated numbers (``x = 3 * 5``); tool_story, the same transcript with a program that
+    follows the story, a line or two per sentence that states a needed number, named after the story's words
+    (``toy_cars = 12``, ``toy_cars = toy_cars + 5``, ``print(toy_cars)``), so a longer story is a longer program."""
 
     def __post_init__(self) -> None:
         known = list(WORD_PROBLEM_TEMPLATES)
@@ -66,8 +69,8 @@ class WordProblemsConfig:
                 f"data.word_problems.max_ops={self.max_ops} is below data.word_problems.min_ops={self.min_ops}; "
                 f"set max_ops >= min_ops"
             )
-        if self.solutions not in ("text", "tool"):
-            raise ValueError(f"data.word_problems.solutions={self.solutions!r}: choose text or tool")
+        if self.solutions not in ("text", "tool", "tool_story"):
+            raise ValueError(f"data.word_problems.solutions={self.solutions!r}: choose text, tool or tool_story")
         if self.min_distractors < 0:
             raise ValueError(f"data.word_problems.min_distractors={self.min_distractors} must be >= 0")
         if not self.min_distractors <= self.max_distractors <= _MAX_DISTRACTORS:
@@ -146,12 +149,16 @@ def word_problem_prompts(cfg: WordProblemsConfig, split: Literal["train", "test"
 def _word_problem_row(
     spec: WordProblemTemplate, numbers: Numbers, cfg: WordProblemsConfig, rng: random.Random, row_id: str
 ) -> PromptRow:
-    story, question, words = spec.render(rng, numbers)
+    story, question, words, values = spec.render(rng, numbers)
     count = rng.randint(cfg.min_distractors, cfg.max_distractors)
     for sentence in rng.sample(spec.distractors, count):  # after the first sentence, before the question
         story.insert(rng.randint(1, len(story)), sentence.format(n=rng.randint(2, 40), **words))
-    completion, answer = spec.tool_worked(numbers) if cfg.solutions == "tool" else spec.worked(numbers)
-    instruction = WORD_PROBLEM_TOOL_INSTRUCTION if cfg.solutions == "tool" else WORD_PROBLEM_INSTRUCTION
+    if cfg.solutions == "tool_story":
+        answer = spec.solve(numbers)
+        completion = spec.story_worked(values, answer)
+    else:
+        completion, answer = spec.tool_worked(numbers) if cfg.solutions == "tool" else spec.worked(numbers)
+    instruction = WORD_PROBLEM_INSTRUCTION if cfg.solutions == "text" else WORD_PROBLEM_TOOL_INSTRUCTION
     return PromptRow(
         prompt=None,
         messages=[
