@@ -397,7 +397,7 @@ def test_the_configs_format_pattern_refuses_box_spam_and_long_repetition_loops()
 TRANSCRIPT = re.compile(r"```python\n(?P<program>.*?)\n```\n```output\n(?P<output>-?\d+)\n```\n\\boxed\{(?P<boxed>-?\d+)\}", re.S)
 
 
-@pytest.mark.parametrize("solutions", ["tool", "tool_story"])
+@pytest.mark.parametrize("solutions", ["tool", "tool_story", "tool_annotated"])
 def test_tool_transcripts_print_the_answer_in_every_template(solutions):
     """Each row's program, run, prints its answer, and the output block and box say the same (both tool formats,
     every template, both orders of an `either_order` story); the programs are trustbatch's own, so `exec` runs
@@ -447,5 +447,25 @@ def _is_distractor(sentence: str, distractor: str) -> bool:
 
 
 def test_an_unknown_solution_format_names_the_choices():
-    with pytest.raises(ValueError, match=r"data\.word_problems\.solutions='program': choose text, tool or tool_story"):
+    with pytest.raises(ValueError, match=r"solutions='program': choose text, tool, tool_story or tool_annotated"):
         WordProblemsConfig(solutions="program")
+
+
+def test_an_annotated_program_copies_every_sentence_above_its_code():
+    """tool_annotated: the comments, in order, are the problem's sentences (distractors and question included);
+    without them the program is the tool_story one; a distractor's comment has no code under it."""
+    cfg = dict(min_ops=1, min_distractors=1, max_distractors=4)
+    story = word_problem_prompts(WordProblemsConfig(**cfg, solutions="tool_story"), "train", 400)
+    annotated = word_problem_prompts(WordProblemsConfig(**cfg, solutions="tool_annotated"), "train", 400)
+    for plain, row in zip(story, annotated, strict=True):
+        assert user_text(plain) == user_text(row)
+        lines = TRANSCRIPT.fullmatch(row.completion)["program"].split("\n")
+        comments = [line.removeprefix("# ") for line in lines if line.startswith("# ")]
+        assert " ".join(comments) == user_text(row)
+        assert [line for line in lines if not line.startswith("# ")] == (
+            TRANSCRIPT.fullmatch(plain.completion)["program"].split("\n")
+        )
+        spec = WORD_PROBLEM_TEMPLATES[row.metadata["template"]]
+        for i, line in enumerate(lines[:-1]):
+            if line.startswith("# ") and any(_is_distractor(line[2:], d) for d in spec.distractors):
+                assert lines[i + 1].startswith("# "), lines

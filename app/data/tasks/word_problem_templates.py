@@ -103,16 +103,19 @@ class WordProblemTemplate:
     """The worked solution, one operation per step: ``"name = left op right"`` with op one of + - * / and each
     operand a stated number or an earlier step; the last step is the answer. One step per operation (``ops``)."""
     program: tuple[str, ...] = ()
-    """The solution as a program that follows the story (`story_worked`): one or two lines per sentence that
-    states a number the answer needs, in the story's order, naming what each computes after the story's own words
-    (``{goods:var} = {a}``, then ``{goods:var} = {goods:var} + {b}``), and last a ``print(...)`` of the answer:
-    format strings over the numbers as the story shows them and the words."""
+    """The solution as a program that follows the story (`story_worked`): the code of each story sentence (none,
+    one line or two, ``\\n`` between them), in the story's order, naming what it computes after the story's own
+    words (``{goods:var} = {a}``, then ``{goods:var} = {goods:var} + {b}``), and last the question's, a
+    ``print(...)`` of the answer: format strings over the numbers as the story shows them and the words."""
 
     def __post_init__(self) -> None:
         if len(self.steps) != self.ops:
             raise ValueError(f"word problem template {self.name!r}: {len(self.steps)} steps for {self.ops} operations")
-        if not self.program or not self.program[-1].startswith("print("):
-            raise ValueError(f"word problem template {self.name!r}: its program must end in a print(...) line")
+        if len(self.program) != len(self.story) + 1 or not self.program[-1].startswith("print("):
+            raise ValueError(
+                f"word problem template {self.name!r}: its program needs the code of each of its {len(self.story)} "
+                f"story sentences, then the question's print(...)"
+            )
 
     def worked(self, numbers: Numbers) -> tuple[str, int]:
         """The worked solution of a problem and its answer: each step as ``3 × 5 = 15.``, then ``\\boxed{answer}``.
@@ -162,7 +165,9 @@ class WordProblemTemplate:
         fenced = FencedFormat()
         return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}", answer
 
-    def story_worked(self, values: dict[str, Any], answer: int) -> str:
+    def story_worked(
+        self, values: dict[str, Any], answer: int, annotate: list[tuple[str, int | None]] | None = None
+    ) -> str:
         """The solution as a tool-use transcript whose program follows the story (`program`), for the problem
         whose numbers as shown and words are `values` (what `render` returns); the output block and the boxed
         answer as in `tool_worked`::
@@ -176,10 +181,17 @@ class WordProblemTemplate:
             17
             ```
             \\boxed{17}
-        """
-        program = "\n".join(_fill(line, values) for line in self.program)
+
+        With `annotate`, the problem's sentences in the order it shows them, each with its index in `story` (the
+        question's: ``len(story)``; a distractor's: None), each sentence stands above its code as a comment
+        (``# Ava has 12 toy cars.``), a distractor's above none."""
+        code = [_fill(line, values) for line in self.program]
+        if annotate is None:
+            lines = [c for c in code if c]
+        else:
+            lines = [line for text, i in annotate for line in (f"# {text}", *([code[i]] if i is not None else [])) if line]
         fenced = FencedFormat()
-        return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
+        return f"```python\n{chr(10).join(lines)}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
 
     def render(
         self, rng: random.Random, numbers: Numbers
@@ -312,8 +324,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "shopping", 3, {"a": range(2, 10), "p": range(2, 16), "b": range(2, 10), "q": range(2, 16)},
             steps=("x = a * p", "y = b * q", "z = x + y"),
             program=(
-                "{first:var} = {a} * {p}",
-                "{second:var} = {b} * {q}",
+                "{first:var} = {a} * {p}\n{second:var} = {b} * {q}",
                 "print({first:var} + {second:var})",
             ),
             numbers=_same, solve=_cost, valid=lambda p: (p["a"], p["p"]) < (p["b"], p["q"]),
@@ -326,8 +337,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             {"a": range(2, 7), "p": range(2, 13), "b": range(2, 7), "q": range(2, 13), "paid": range(20, 101, 10)},
             steps=("x = a * p", "y = b * q", "c = x + y", "z = paid - c"),
             program=(
-                "{first:var} = {a} * {p}",
-                "{second:var} = {b} * {q}",
+                "{first:var} = {a} * {p}\n{second:var} = {b} * {q}",
                 "change = {paid} - {first:var} - {second:var}",
                 "print(change)",
             ),
@@ -340,7 +350,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
         WordProblemTemplate(
             "travel", 3, {"v": range(30, 91, 5), "t1": range(1, 7), "w": range(30, 91, 5), "t2": range(1, 7)},
             steps=("x = v * t1", "y = w * t2", "z = x + y"),
-            program=("first = {v} * {t1}", "then = {w} * {t2}", "print(first + then)"),
+            program=("first = {v} * {t1}\nthen = {w} * {t2}", "print(first + then)"),
             numbers=_same, solve=_driven, valid=lambda p: p["v"] < p["w"],
             words=(Draw("vehicle", ("train", "bus", "truck", "ferry")),), either_order=(("v", "t1"), ("w", "t2")),
             story=("A {vehicle} travels " + _LEGS,), question="How many kilometres does the {vehicle} travel in all?",
@@ -353,7 +363,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
                 "left": range(15, 196, 15),
             },
             steps=("x = v * t1", "y = w * t2", "d = x + y", "z = distance - d"),
-            program=("km = {distance}", "first = {v} * {t1}", "then = {w} * {t2}", "print(km - first - then)"),
+            program=("km = {distance}", "first = {v} * {t1}\nthen = {w} * {t2}", "print(km - first - then)"),
             numbers=lambda p: {"distance": _driven(p) + p["left"], **{k: p[k] for k in ("v", "t1", "w", "t2")}},
             solve=lambda s: s["distance"] - _driven(s), valid=lambda p: p["v"] < p["w"],
             words=(_NAME,), fixed={"vehicle": "car"}, either_order=(("v", "t1"), ("w", "t2")),
@@ -367,8 +377,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             steps=("t = trays * per_tray", "r = t - kept", "z = r / friends"),
             program=(
                 "{food:var} = {trays} * {per_tray}",
-                "{food:var} = {food:var} - {kept}",
-                "each = {food:var} // {friends}",
+                "{food:var} = {food:var} - {kept}\neach = {food:var} // {friends}",
                 "print(each)",
             ),
             numbers=_same, solve=lambda s: (s["trays"] * s["per_tray"] - s["kept"]) // s["friends"],
@@ -394,8 +403,8 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             steps=("s = weekly * weeks", "h = start + s", "z = h - spent"),
             program=(
                 "dollars = {start}",
-                "dollars = dollars + {weekly} * {weeks}",
-                "dollars = dollars - {spent}",
+                "",
+                "dollars = dollars + {weekly} * {weeks}\ndollars = dollars - {spent}",
                 "print(dollars)",
             ),
             numbers=_same, solve=lambda s: s["start"] + s["weekly"] * s["weeks"] - s["spent"],
@@ -413,7 +422,7 @@ WORD_PROBLEM_TEMPLATES: dict[str, WordProblemTemplate] = {
             "savings_goal", 3,
             {"start": range(5, 51, 5), "gift": range(5, 41, 5), "weekly": range(2, 16), "weeks": range(2, 13)},
             steps=("h = start + gift", "r = price - h", "z = r / weekly"),
-            program=("price = {price}", "price = price - {start} - {gift}", "print(price // {weekly})"),
+            program=("price = {price}", "price = price - {start} - {gift}", "", "print(price // {weekly})"),
             numbers=lambda p: {
                 "price": p["start"] + p["gift"] + p["weekly"] * p["weeks"],
                 **{k: p[k] for k in ("start", "gift", "weekly")},

@@ -42,13 +42,15 @@ class WordProblemsConfig:
     seed: int = 0
     """Seed of the generator (which problems, their wording and distractors); the train/test assignment is a hash
     of each problem's template and numbers, so the splits never share a problem whatever the seed."""
-    solutions: Literal["text", "tool", "tool_story"] = "text"
+    solutions: Literal["text", "tool", "tool_story", "tool_annotated"] = "text"
     """The reply each row teaches (`completion`) and the instruction it is asked with: text, the steps worked by
     hand ("3 × 5 = 15. ... \\boxed{23}"); tool, a Python program that prints the answer, its output block and the
     boxed answer (the fenced format of the python tool, docs/tools.md), under an instruction to use it: one line
     per operation over the stated numbers (``x = 3 * 5``); tool_story, the same transcript with a program that
     follows the story, a line or two per sentence that states a needed number, named after the story's words
-    (``toy_cars = 12``, ``toy_cars = toy_cars + 5``, ``print(toy_cars)``), so a longer story is a longer program."""
+    (``toy_cars = 12``, ``toy_cars = toy_cars + 5``, ``print(toy_cars)``), so a longer story is a longer program;
+    tool_annotated, that program with every sentence of the problem (distractors and question too) copied above its
+    code as a comment (``# Ava has 12 toy cars.``)."""
 
     def __post_init__(self) -> None:
         known = list(WORD_PROBLEM_TEMPLATES)
@@ -69,8 +71,10 @@ class WordProblemsConfig:
                 f"data.word_problems.max_ops={self.max_ops} is below data.word_problems.min_ops={self.min_ops}; "
                 f"set max_ops >= min_ops"
             )
-        if self.solutions not in ("text", "tool", "tool_story"):
-            raise ValueError(f"data.word_problems.solutions={self.solutions!r}: choose text, tool or tool_story")
+        if self.solutions not in ("text", "tool", "tool_story", "tool_annotated"):
+            raise ValueError(
+                f"data.word_problems.solutions={self.solutions!r}: choose text, tool, tool_story or tool_annotated"
+            )
         if self.min_distractors < 0:
             raise ValueError(f"data.word_problems.min_distractors={self.min_distractors} must be >= 0")
         if not self.min_distractors <= self.max_distractors <= _MAX_DISTRACTORS:
@@ -150,12 +154,14 @@ def _word_problem_row(
     spec: WordProblemTemplate, numbers: Numbers, cfg: WordProblemsConfig, rng: random.Random, row_id: str
 ) -> PromptRow:
     story, question, words, values = spec.render(rng, numbers)
+    shown: list[tuple[str, int | None]] = list(zip(story, range(len(story)), strict=True))  # None: a distractor
     count = rng.randint(cfg.min_distractors, cfg.max_distractors)
     for sentence in rng.sample(spec.distractors, count):  # after the first sentence, before the question
-        story.insert(rng.randint(1, len(story)), sentence.format(n=rng.randint(2, 40), **words))
-    if cfg.solutions == "tool_story":
+        shown.insert(rng.randint(1, len(shown)), (sentence.format(n=rng.randint(2, 40), **words), None))
+    if cfg.solutions in ("tool_story", "tool_annotated"):
         answer = spec.solve(numbers)
-        completion = spec.story_worked(values, answer)
+        annotate = [*shown, (question, len(story))] if cfg.solutions == "tool_annotated" else None
+        completion = spec.story_worked(values, answer, annotate)
     else:
         completion, answer = spec.tool_worked(numbers) if cfg.solutions == "tool" else spec.worked(numbers)
     instruction = WORD_PROBLEM_INSTRUCTION if cfg.solutions == "text" else WORD_PROBLEM_TOOL_INSTRUCTION
@@ -163,7 +169,7 @@ def _word_problem_row(
         prompt=None,
         messages=[
             {"role": "system", "content": instruction},
-            {"role": "user", "content": " ".join([*story, question])},
+            {"role": "user", "content": " ".join([*(text for text, _ in shown), question])},
         ],
         answer=str(answer),
         tests=None,
