@@ -190,8 +190,9 @@ class WordProblemTemplate:
             lines = [c for c in code if c]
         else:
             lines = [line for text, i in annotate for line in (f"# {text}", *([code[i]] if i is not None else [])) if line]
+        program = "\n".join(lines)
         fenced = FencedFormat()
-        return f"```python\n{chr(10).join(lines)}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
+        return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
 
     def render(
         self, rng: random.Random, numbers: Numbers
