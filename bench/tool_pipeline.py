@@ -67,19 +67,20 @@ def summarise(evals: dict[str, dict[str, dict[str, float]]], pairs: list[tuple[s
         for a, b in pairs:
             if a not in by_label or b not in by_label:
                 continue
-            common_seeds = sorted(set(by_label[a]) & set(by_label[b])) or None
-            if common_seeds is None or (len(common_seeds) == 1 and common_seeds == [""]):
-                pa, pb = next(iter(by_label[a].values())), next(iter(by_label[b].values()))
-                diffs = [pa[i] - pb[i] for i in pa if i in pb]
-                paired[f"{a} - {b}"] = (mean(diffs), se(diffs), len(diffs))
-            else:
-                seed_means = []
-                for s in common_seeds:
-                    pa, pb = by_label[a][s], by_label[b][s]
-                    seed_means.append(mean([pa[i] - pb[i] for i in pa if i in pb]))
+            common_seeds = sorted(set(by_label[a]) & set(by_label[b]))
+            if common_seeds and common_seeds != [""]:  # seed by seed, then across seeds
+                seed_means = [mean(_differences(by_label[a][s], by_label[b][s])) for s in common_seeds]
                 paired[f"{a} - {b}"] = (mean(seed_means), se(seed_means), len(seed_means))
+            else:  # one run each: over problems
+                diffs = _differences(next(iter(by_label[a].values())), next(iter(by_label[b].values())))
+                paired[f"{a} - {b}"] = (mean(diffs), se(diffs), len(diffs))
         out[set_name] = {"accuracy": accuracy, "pairs": paired}
     return out
+
+
+def _differences(a: dict[str, float], b: dict[str, float]) -> list[float]:
+    """a − b for every problem both evaluated."""
+    return [a[i] - b[i] for i in a if i in b]
 
 
 def pct(x: float) -> str:

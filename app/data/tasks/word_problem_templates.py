@@ -161,9 +161,7 @@ class WordProblemTemplate:
             lines.append(f"print({code})" if i == len(self.steps) - 1 else f"{name} = {code}")
             computed.add(name)
         answer = values[self.steps[-1].partition(" = ")[0]]
-        program = "\n".join(lines)
-        fenced = FencedFormat()
-        return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}", answer
+        return _tool_transcript(lines, answer), answer
 
     def story_worked(
         self, values: dict[str, Any], answer: int, annotate: list[tuple[str, int | None]] | None = None
@@ -187,12 +185,13 @@ class WordProblemTemplate:
         (``# Ava has 12 toy cars.``), a distractor's above none."""
         code = [_fill(line, values) for line in self.program]
         if annotate is None:
-            lines = [c for c in code if c]
-        else:
-            lines = [line for text, i in annotate for line in (f"# {text}", *([code[i]] if i is not None else [])) if line]
-        program = "\n".join(lines)
-        fenced = FencedFormat()
-        return f"```python\n{program}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
+            return _tool_transcript([c for c in code if c], answer)
+        lines = []
+        for text, i in annotate:
+            lines.append(f"# {text}")
+            if i is not None and code[i]:
+                lines.append(code[i])
+        return _tool_transcript(lines, answer)
 
     def render(
         self, rng: random.Random, numbers: Numbers
@@ -211,6 +210,14 @@ class WordProblemTemplate:
             shown.update(zip(first + second, [numbers[k] for k in second + first], strict=True))
         values = {**shown, **words}
         return [_fill(sentence, values) for sentence in self.story], _fill(self.question, values), words, values
+
+
+def _tool_transcript(program: list[str], answer: int) -> str:
+    """A tool-use transcript in the fenced format: the program's lines in a ```python block, the answer as the
+    tool's output block, then ``\\boxed{answer}``."""
+    fenced = FencedFormat()
+    code = "\n".join(program)
+    return f"```python\n{code}\n```{fenced.before}{answer}{fenced.after}\\boxed{{{answer}}}"
 
 
 _NAMES = (
